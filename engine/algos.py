@@ -1,0 +1,261 @@
+"""Algorithm math for RL post-training: advantages, policy loss, KL terms, loss aggregation.
+
+This module is pure tensor math. It imports only torch and the standard library, so every
+stage and pipeline can use it and tests run on CPU in milliseconds.
+
+Conventions and invariants:
+- N is the number of responses, T the padded response length, V the vocabulary size.
+- ``mask`` is a float or bool tensor ``[N, T]`` with 1 on valid response tokens.
+- Responses of one prompt are contiguous: group g holds rows ``g*G .. g*G+G-1``.
+- Every ``[N, T]`` output of this module is 0 where ``mask == 0``.
+- Metrics are returned as detached 0-dim tensors, so callers decide when to sync to host.
+
+Run its tests with ``python -m pytest tests/engine/test_algos.py -q``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl")
+
+
+# ---------------------------------------------------------------- masked statistics
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1; an empty selection gives 0, not nan."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1e-8)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1e-8)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """Whiten ``x`` over all valid positions with the population (biased) variance.
+
+    ``(x - mean) / sqrt(var + eps)``; masked positions are set to 0.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask.to(x.dtype)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float = 1e-6) -> Tensor:
+    """Outcome advantage per response from its group of ``group_size`` siblings.
+
+    scores: [N] scalar reward per response. Returns [N].
+    """
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(f"unknown group estimator {estimator!r}; expected one of {GROUP_ESTIMATORS}")
+    if group_size < 1 or scores.numel() % group_size != 0:
+        raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
+    if estimator in ("grpo", "rloo") and group_size < 2:
+        # The unbiased std and the leave-one-out mean are undefined for a single sample.
+        raise ValueError(f"{estimator} needs group_size >= 2, got {group_size}")
+    grouped = scores.view(-1, group_size)  # [N/G, G]
+    centered = grouped - grouped.mean(dim=-1, keepdim=True)  # [N/G, G]
+    if estimator == "grpo":
+        centered = centered / (grouped.std(dim=-1, keepdim=True) + eps)
+    elif estimator == "rloo":
+        # s - mean(others) == G/(G-1) * (s - mean(all)).
+        centered = centered * (group_size / (group_size - 1))
+    return centered.reshape(-1)  # [N]
+
+
+def reinforce_pp_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Discounted reward-to-go ``G_t = r_t + gamma * G_{t+1}`` per token. Returns [N, T]."""
+    mask = mask.to(token_rewards.dtype)
+    rewards = token_rewards * mask  # [N, T]
+    returns = torch.zeros_like(rewards)  # [N, T]
+    running = torch.zeros_like(rewards[:, 0])  # [N]
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    return returns * mask
+
+
+def _on_last_token(values: Tensor, mask: Tensor) -> Tensor:
+    """Place a per-row value [N] on the last valid token of each row. Returns [N, T]."""
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)  # [T]
+    last = (mask.bool() * positions).argmax(dim=-1, keepdim=True)  # [N, 1]
+    out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)  # [N, T]
+    out.scatter_(1, last, values.unsqueeze(-1))
+    # Rows with no valid token put their value on a masked slot; clear it.
+    return out * mask.to(values.dtype)
+
+
+def compute_advantages(
+    estimator: str,
+    scores: Tensor,
+    mask: Tensor,
+    group_size: int,
+    gamma: float = 1.0,
+    token_rewards: Tensor | None = None,
+) -> Tensor:
+    """Per-token advantages [N, T] for one of ``ADVANTAGE_ESTIMATORS``; 0 where ``mask == 0``.
+
+    scores: [N] outcome reward. token_rewards: [N, T], only read by "reinforce_pp"
+    (when None the score is placed on the last valid token).
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
+    if token_rewards is not None and estimator != "reinforce_pp":
+        # Silently dropping per-token rewards (e.g. a KL penalty) would train on the wrong signal.
+        raise ValueError(f"token_rewards are only used by 'reinforce_pp', not {estimator!r}")
+    fmask = mask.to(scores.dtype)
+    if estimator in ("grpo", "drgrpo", "rloo"):
+        return group_advantages(scores, group_size, estimator).unsqueeze(-1) * fmask  # [N, T]
+    if estimator == "reinforce_pp_baseline":
+        token_rewards = _on_last_token(group_advantages(scores, group_size, estimator), mask)
+    elif token_rewards is None:
+        token_rewards = _on_last_token(scores, mask)
+    returns = reinforce_pp_returns(token_rewards, mask, gamma)  # [N, T]
+    return masked_whiten(returns, fmask)
+
+
+# ---------------------------------------------------------------- losses
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str,
+    denom: float | None = None,
+    norm_len: int | None = None,
+) -> Tensor:
+    """Reduce a per-token loss [N, T] to a scalar.
+
+    ``denom`` overrides the divisor (tokens for "token-mean", rows otherwise) so callers can
+    divide every micro-batch by the mini-batch total and make gradient accumulation exact.
+    """
+    mask = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        total = denom if denom is not None else mask.sum().clamp(min=1.0)
+        return (loss_mat * mask).sum() / total
+    rows = denom if denom is not None else loss_mat.shape[0]
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss_mat, mask, dim=-1).sum() / rows
+    if mode == "seq-mean-token-sum-norm":
+        # Dr.GRPO: a constant length normaliser removes the bias towards long wrong answers.
+        length = norm_len if norm_len is not None else loss_mat.shape[1]
+        return ((loss_mat * mask).sum(dim=-1) / length).sum() / rows
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {AGG_MODES}")
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg_mode: str = "token-mean",
+    denom: float | None = None,
+    norm_len: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with ratio bounds [1 - clip_low, 1 + clip_high] and optional dual clip.
+
+    All inputs are [N, T]. Returns the aggregated loss and detached 0-dim metrics, which are
+    masked means over this micro-batch (independent of ``denom``).
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    log_ratio = logp - old_logp  # [N, T]
+    # Clamp before exp so a stale token cannot overflow the ratio to inf.
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # [N, T]
+    loss1 = -advantages * ratio  # [N, T]
+    loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
+    clipped = torch.maximum(loss1, loss2)  # [N, T]
+    clipfrac = masked_mean((loss2 > loss1).to(logp.dtype), mask)
+    clipfrac_lower = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    loss_mat = clipped
+    if dual_clip is not None:
+        # For A < 0 a huge ratio makes the loss unbounded; cap it at -c * A.
+        cap = -advantages * dual_clip  # [N, T]
+        negative = advantages < 0
+        loss_mat = torch.where(negative, torch.minimum(clipped, cap), clipped)
+        clipfrac_lower = masked_mean(((clipped > cap) & negative).to(logp.dtype), mask)
+    loss = agg_loss(loss_mat, mask, agg_mode, denom=denom, norm_len=norm_len)
+    metrics = {
+        "pg_clipfrac": clipfrac.detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+        "pg_clipfrac_lower": clipfrac_lower.detach(),
+    }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------- KL
+
+
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Elementwise KL estimate between the policy and the reference, same shape as the inputs."""
+    diff = logp - ref_logp
+    if kind == "k1":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind == "k2":
+        return 0.5 * diff.square()
+    if kind in ("k3", "low_var_kl"):
+        # Schulman's k3: unbiased and always >= 0. Clamping d keeps exp and its gradient finite.
+        d = (-diff).clamp(-20.0, 20.0)
+        return (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_KINDS}")
+
+
+@dataclass
+class FixedKLController:
+    """Constant KL coefficient."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient never changes."""
+
+
+@dataclass
+class AdaptiveKLController:
+    """Proportional controller steering the observed KL towards ``target`` (Ziegler et al., 2019)."""
+
+    value: float
+    target: float
+    horizon: int
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Scale ``value`` by ``1 + clip(kl/target - 1, -0.2, 0.2) * n_steps / horizon``."""
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+
+def kl_in_reward(token_scores: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tensor:
+    """Per-token reward with the KL penalty folded in: ``(scores - beta * kl) * mask``. [N, T]."""
+    return (token_scores - beta * kl) * mask.to(token_scores.dtype)
+
+
+# ---------------------------------------------------------------- logits
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim, in the dtype of ``logits``. [...]"""
+    # H = logsumexp(z) - sum(p * z) avoids log(p) of underflowed probabilities.
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(logits)[tokens] in float32. logits: [N, T, V], tokens: [N, T]. Returns [N, T]."""
+    # Gather minus logsumexp instead of log_softmax, which would allocate a full [N, T, V] output.
+    logits = logits.float()  # no copy when already float32
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [N, T]
+    return picked - torch.logsumexp(logits, dim=-1)

@@ -1,0 +1,356 @@
+"""Hand-computed checks for engine/algos.py: every expected value is a literal worked out on paper."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.algos import (
+    AdaptiveKLController,
+    FixedKLController,
+    agg_loss,
+    compute_advantages,
+    entropy_from_logits,
+    group_advantages,
+    kl_in_reward,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    reinforce_pp_returns,
+    token_logprobs,
+)
+
+
+def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=actual.dtype), atol=atol, rtol=1e-5)
+
+
+# 2x3 example with a ragged mask shared by several tests.
+X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+RAGGED = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+
+def test_import_is_light() -> None:
+    code = "import sys, engine.algos; print(sorted({'ray', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------- group advantages
+
+SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0])
+
+
+def test_grpo_divides_by_unbiased_std() -> None:
+    # mean 0.5, unbiased std sqrt(1/3) = 0.57735 -> 0.5 / 0.57735 = 0.866025
+    close(group_advantages(SCORES, 4, "grpo"), [0.866025, -0.866025, -0.866025, 0.866025])
+
+
+def test_grpo_two_groups_are_independent() -> None:
+    # group [1, 3]: mean 2, std sqrt(2) -> -+0.707107; group [2, 2]: 0 (eps keeps it finite)
+    close(group_advantages(torch.tensor([1.0, 3.0, 2.0, 2.0]), 2, "grpo"), [-0.707107, 0.707107, 0.0, 0.0])
+
+
+def test_drgrpo_and_baseline_only_center() -> None:
+    close(group_advantages(SCORES, 4, "drgrpo"), [0.5, -0.5, -0.5, 0.5])
+    close(group_advantages(SCORES, 4, "reinforce_pp_baseline"), [0.5, -0.5, -0.5, 0.5])
+
+
+def test_rloo_subtracts_mean_of_others() -> None:
+    # 1 - mean(0, 0, 1) = 2/3; 0 - mean(1, 0, 1) = -2/3
+    close(group_advantages(SCORES, 4, "rloo"), [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+
+
+@pytest.mark.parametrize(
+    ("estimator", "group_size", "match"),
+    [
+        ("ppo", 4, "unknown"),
+        ("grpo", 3, "groups of 3"),
+        ("grpo", 1, "grpo needs group_size >= 2"),
+        ("rloo", 1, "rloo needs group_size >= 2"),
+        ("drgrpo", 0, "groups of 0"),
+    ],
+)
+def test_group_advantages_errors(estimator: str, group_size: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        group_advantages(SCORES, group_size, estimator)
+
+
+# ---------------------------------------------------------------- masked statistics
+
+
+def test_masked_mean() -> None:
+    close(masked_mean(X, RAGGED), 7 / 3)  # (1 + 2 + 4) / 3
+    close(masked_mean(X, RAGGED, dim=-1), [1.5, 4.0])
+    close(masked_mean(X, torch.zeros_like(X)), 0.0)  # empty selection is 0, not nan
+
+
+def test_masked_whiten_uses_population_variance() -> None:
+    # valid 1, 2, 4: mean 7/3, population var 14/9, std 1.247219
+    close(masked_whiten(X, RAGGED), [[-1.069045, -0.267261, 0.0], [1.336306, 0.0, 0.0]])
+
+
+# ---------------------------------------------------------------- returns and advantages
+
+
+def test_reinforce_pp_returns_gamma_half() -> None:
+    rewards = torch.tensor([[1.0, 2.0, 4.0], [0.0, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # row 0: 4, 2 + 0.5*4 = 4, 1 + 0.5*4 = 3; row 1: the masked 9 is dropped -> 2, 0 + 0.5*2 = 1
+    close(reinforce_pp_returns(rewards, mask, gamma=0.5), [[3.0, 4.0, 4.0], [1.0, 2.0, 0.0]])
+
+
+def test_compute_advantages_group_broadcast_is_masked() -> None:
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    adv = compute_advantages("drgrpo", SCORES, mask, group_size=4)
+    close(adv, [[0.5, 0.5, 0.0], [-0.5, 0.0, 0.0], [-0.5, -0.5, -0.5], [0.0, 0.0, 0.0]])
+    rloo = compute_advantages("rloo", SCORES, mask, group_size=4)
+    close(rloo, [[2 / 3, 2 / 3, 0.0], [-2 / 3, 0.0, 0.0], [-2 / 3, -2 / 3, -2 / 3], [0.0, 0.0, 0.0]])
+    grpo = compute_advantages("grpo", SCORES, mask, group_size=4)
+    assert torch.equal(grpo == 0, mask == 0)
+
+
+MASK_2x2 = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+
+
+def test_reinforce_pp_puts_score_on_last_token_then_whitens() -> None:
+    # scores [1, 2] -> rewards [[0, 1], [2, 0]] -> gamma 0.5 returns [[0.5, 1], [2, 0]]
+    # valid 0.5, 1, 2: mean 7/6, population std 0.623610
+    adv = compute_advantages("reinforce_pp", torch.tensor([1.0, 2.0]), MASK_2x2, group_size=1, gamma=0.5)
+    close(adv, [[-1.069045, -0.267261], [1.336306, 0.0]])
+
+
+def test_reinforce_pp_reads_token_rewards() -> None:
+    # same rewards as the previous test given explicitly; the scores are then ignored
+    rewards = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+    adv = compute_advantages(
+        "reinforce_pp", torch.tensor([9.0, 9.0]), MASK_2x2, 1, gamma=0.5, token_rewards=rewards
+    )
+    close(adv, [[-1.069045, -0.267261], [1.336306, 0.0]])
+
+
+def test_reinforce_pp_baseline() -> None:
+    # scores [1, 3] in one group -> [-1, 1] on last tokens -> gamma 1 returns [[-1, -1], [1, 0]]
+    # valid -1, -1, 1: mean -1/3, population std 0.942809
+    adv = compute_advantages("reinforce_pp_baseline", torch.tensor([1.0, 3.0]), MASK_2x2, group_size=2)
+    close(adv, [[-0.707107, -0.707107], [1.414214, 0.0]])
+
+
+def test_reinforce_pp_empty_row_stays_zero() -> None:
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    adv = compute_advantages("reinforce_pp", torch.tensor([1.0, 5.0]), mask, group_size=1)
+    close(adv[1], [0.0, 0.0])
+
+
+def test_compute_advantages_errors() -> None:
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        compute_advantages("gae", SCORES, torch.ones(4, 2), group_size=4)
+    with pytest.raises(ValueError, match="token_rewards"):
+        compute_advantages("grpo", SCORES, torch.ones(4, 2), 4, token_rewards=torch.ones(4, 2))
+    with pytest.raises(ValueError, match="grpo needs group_size >= 2"):
+        compute_advantages("grpo", SCORES, torch.ones(4, 2), group_size=1)
+
+
+# ---------------------------------------------------------------- loss aggregation
+
+
+def test_agg_token_mean() -> None:
+    close(agg_loss(X, RAGGED, "token-mean"), 7 / 3)  # (1 + 2 + 4) / 3 tokens
+    close(agg_loss(X, RAGGED, "token-mean", denom=7.0), 1.0)
+
+
+def test_agg_seq_mean_token_mean() -> None:
+    close(agg_loss(X, RAGGED, "seq-mean-token-mean"), 2.75)  # (1.5 + 4) / 2
+    close(agg_loss(X, RAGGED, "seq-mean-token-mean", denom=11.0), 0.5)
+
+
+def test_agg_seq_mean_token_sum_norm() -> None:
+    close(agg_loss(X, RAGGED, "seq-mean-token-sum-norm"), 7 / 6)  # (3/3 + 4/3) / 2
+    close(agg_loss(X, RAGGED, "seq-mean-token-sum-norm", norm_len=2), 1.75)  # (3/2 + 4/2) / 2
+    close(agg_loss(X, RAGGED, "seq-mean-token-sum-norm", denom=4.0), 7 / 12)
+
+
+def test_agg_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="unknown loss aggregation mode"):
+        agg_loss(X, RAGGED, "sum")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_with_global_denom_match_full_batch(mode: str) -> None:
+    torch.manual_seed(0)
+    loss_mat = torch.randn(4, 5, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]).float()
+    full = agg_loss(loss_mat, mask, mode)
+    (full_grad,) = torch.autograd.grad(full, loss_mat)
+    denom = mask.sum().item() if mode == "token-mean" else 4.0
+    first, second = (agg_loss(loss_mat[i : i + 2], mask[i : i + 2], mode, denom=denom) for i in (0, 2))
+    halves = first + second
+    (halves_grad,) = torch.autograd.grad(halves, loss_mat)
+    torch.testing.assert_close(halves, full)
+    torch.testing.assert_close(halves_grad, full_grad)
+    # Dividing each half by its own token count (4 vs 7 tokens) would weight tokens unequally.
+    if mode == "token-mean":
+        naive = (agg_loss(loss_mat[:2], mask[:2], mode) + agg_loss(loss_mat[2:], mask[2:], mode)) / 2
+        assert not torch.allclose(naive, full)
+
+
+# ---------------------------------------------------------------- policy loss
+
+
+def _logp(ratios: list[float]) -> torch.Tensor:
+    return torch.tensor([[math.log(r) for r in ratios]])
+
+
+def test_policy_loss_asymmetric_clip() -> None:
+    # clip range [0.8, 1.28]; the 5th token is masked and must not count.
+    logp = _logp([1.5, 0.5, 1.25, 0.7, 10.0])
+    adv = torch.tensor([[1.0, -1.0, 1.0, 2.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0]])
+    loss, metrics = policy_loss(logp, torch.zeros_like(logp), adv, mask, clip_low=0.2, clip_high=0.28)
+    # per token max(-A*r, -A*clip(r)):
+    #   r=1.5,  A=+1: max(-1.5, -1.28) = -1.28  clipped (upper bound)
+    #   r=0.5,  A=-1: max(0.5, 0.8)    =  0.8   clipped (lower bound)
+    #   r=1.25, A=+1: inside [0.8, 1.28] -> -1.25 (would clip with clip_high=0.2)
+    #   r=0.7,  A=+2: max(-1.4, -1.6)  = -1.4   unclipped branch
+    close(loss, -0.7825)  # (-1.28 + 0.8 - 1.25 - 1.4) / 4
+    close(metrics["pg_clipfrac"], 0.5)
+    close(metrics["ppo_kl"], 0.1053034)  # -(ln 1.5 + ln 0.5 + ln 1.25 + ln 0.7) / 4
+    close(metrics["pg_clipfrac_lower"], 0.0)
+    assert all(m.dim() == 0 and not m.requires_grad for m in metrics.values())
+
+
+def test_policy_loss_forwards_aggregation() -> None:
+    logp = _logp([1.5, 0.5, 1.25, 0.7])
+    adv = torch.tensor([[1.0, -1.0, 1.0, 2.0]])
+    loss, _ = policy_loss(
+        logp,
+        torch.zeros_like(logp),
+        adv,
+        torch.ones(1, 4),
+        0.2,
+        0.28,
+        agg_mode="seq-mean-token-sum-norm",
+        norm_len=8,
+    )
+    close(loss, -0.39125)  # -3.13 / 8 / 1 row
+
+
+def test_policy_loss_dual_clip() -> None:
+    logp = _logp([10.0, 2.0, 10.0]).requires_grad_(True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    mask = torch.ones(1, 3)
+    loss, metrics = policy_loss(logp, torch.zeros(1, 3), adv, mask, dual_clip=3.0)
+    #   r=10, A=-1: max(10, 1.2) = 10, capped at -c*A = 3 -> 3   (dual clip active)
+    #   r=2,  A=-1: max(2, 1.2)  = 2  < 3                   -> 2
+    #   r=10, A=+1: max(-10, -1.2) = -1.2, A > 0 so no cap  -> -1.2 (ratio clip)
+    close(loss, 3.8 / 3)
+    close(metrics["pg_clipfrac"], 1 / 3)
+    close(metrics["pg_clipfrac_lower"], 1 / 3)
+    loss.backward()
+    assert logp.grad is not None
+    assert logp.grad[0, 0] == 0.0 and logp.grad[0, 2] == 0.0  # capped and clipped tokens give no gradient
+    close(logp.grad[0, 1], 2.0 / 3)  # d(-A * r)/dlogp = r = 2, divided by 3 tokens
+    no_dual, _ = policy_loss(logp.detach(), torch.zeros(1, 3), adv, mask)
+    close(no_dual, 3.6)  # (10 + 2 - 1.2) / 3
+
+
+@pytest.mark.parametrize("dual_clip", [1.0, 0.5])
+def test_policy_loss_rejects_dual_clip_at_most_one(dual_clip: float) -> None:
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(
+            torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), dual_clip=dual_clip
+        )
+
+
+# ---------------------------------------------------------------- KL
+
+LOGP = torch.tensor([-1.0, -2.0, -0.5])
+REF = torch.tensor([-2.0, -1.0, -0.5])  # logp - ref = [1, -1, 0]
+
+
+@pytest.mark.parametrize(
+    ("kind", "expected"),
+    [
+        ("k1", [1.0, -1.0, 0.0]),
+        ("abs", [1.0, 1.0, 0.0]),
+        ("k2", [0.5, 0.5, 0.0]),
+        # d = ref - logp = [-1, 1, 0]: e^-1 + 1 - 1 = 0.367879, e - 1 - 1 = 0.718282
+        ("k3", [0.367879, 0.718282, 0.0]),
+        ("low_var_kl", [0.367879, 0.718282, 0.0]),
+    ],
+)
+def test_kl_penalty_kinds(kind: str, expected: list[float]) -> None:
+    close(kl_penalty(LOGP, REF, kind), expected)
+
+
+def test_k3_is_clamped_and_finite() -> None:
+    logp = torch.tensor([0.0, -15.0], requires_grad=True)
+    kl = kl_penalty(logp, torch.tensor([-30.0, 0.0]), "k3")
+    close(kl.detach(), [10.0, 10.0])
+    kl.sum().backward()
+    assert logp.grad is not None and torch.isfinite(logp.grad).all()
+
+
+def test_kl_penalty_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="unknown kl kind"):
+        kl_penalty(LOGP, REF, "k4")
+
+
+def test_fixed_kl_controller_never_moves() -> None:
+    ctl = FixedKLController(value=0.05)
+    ctl.update(current_kl=100.0, n_steps=256)
+    assert ctl.value == 0.05
+
+
+@pytest.mark.parametrize(
+    ("current_kl", "n_steps", "expected"),
+    [
+        (9.0, 256, 0.100512),  # error 0.5 clipped to 0.2: 1 + 0.2 * 256 / 10000
+        (3.0, 1000, 0.098),  # error -0.5 clipped to -0.2: 1 - 0.2 * 1000 / 10000
+        (6.6, 1000, 0.101),  # error 0.1 unclipped: 1 + 0.1 * 1000 / 10000
+    ],
+)
+def test_adaptive_kl_controller_one_update(current_kl: float, n_steps: int, expected: float) -> None:
+    ctl = AdaptiveKLController(value=0.1, target=6.0, horizon=10000)
+    ctl.update(current_kl=current_kl, n_steps=n_steps)
+    assert ctl.value == pytest.approx(expected, rel=1e-9)
+
+
+def test_kl_in_reward() -> None:
+    scores = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    close(kl_in_reward(scores, kl, mask, beta=0.5), [[-0.05, -0.1, 0.85], [-0.2, 1.75, 0.0]])
+
+
+# ---------------------------------------------------------------- logits
+
+
+def test_entropy_from_logits() -> None:
+    close(entropy_from_logits(torch.zeros(2, 3, 5)), [[math.log(5)] * 3] * 2)  # uniform: log V
+    # p = [0.25, 0.75]: -(0.25 ln 0.25 + 0.75 ln 0.75) = 0.562335
+    close(entropy_from_logits(torch.tensor([0.0, math.log(3.0)])), 0.562335)
+    close(entropy_from_logits(torch.tensor([1000.0, 0.0])), 0.0)  # no nan on saturated logits
+
+
+def test_token_logprobs_literal_and_vs_log_softmax() -> None:
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])  # p = [0.25, 0.75]
+    close(token_logprobs(logits, torch.tensor([[1, 0]])), [[-0.287682, -1.386294]])
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 11) * 5
+    tokens = torch.randint(0, 11, (3, 4))
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(token_logprobs(logits, tokens), expected)
+
+
+def test_token_logprobs_upcasts_to_float32() -> None:
+    logits = torch.randn(2, 3, 7).to(torch.bfloat16)
+    out = token_logprobs(logits, torch.zeros(2, 3, dtype=torch.long))
+    assert out.dtype == torch.float32
+    expected = torch.log_softmax(logits.float(), dim=-1)[..., 0]
+    torch.testing.assert_close(out, expected)
