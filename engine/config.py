@@ -1,0 +1,306 @@
+"""Run configuration: typed dataclasses are the single source of defaults and validation.
+
+YAML files in `conf/` hold only differences from these defaults, and `key=value` command-line
+overrides address fields by dotted path (`rollout.samples_per_prompt=8`). Values are parsed as
+YAML scalars and checked against the field's type; `key=` with no value changes nothing.
+
+Invariants:
+- an unknown key is an error that names the closest valid key;
+- `validate()` runs before any worker starts, so a bad run fails in seconds, not after setup;
+- `to_dict(cfg)` round-trips through `load_config` (it is what a checkpoint stores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
+
+
+@dataclass
+class ModelConfig:
+    path: str = EMBEDDED  # HF model directory; "embedded" builds the tiny Qwen2
+    dtype: str = "float32"  # training compute dtype: float32 | bfloat16
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=lambda: [EMBEDDED])  # parquet / jsonl
+    val_files: list[str] = field(default_factory=lambda: [EMBEDDED])
+    prompts_per_step: int = 64
+    max_prompt_tokens: int = 64
+    overlong_prompts: str = "skip"  # skip (counted, logged) | error
+    val_max_prompts: int = 256  # 0 = the whole validation set
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "hf"
+    samples_per_prompt: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    stop_strings: list[str] = field(default_factory=list)  # eos always stops
+    dtype: str = "float32"
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    mini_batch_prompts: int = 64  # prompts per optimizer step
+    micro_batch_tokens_per_gpu: int = 4096  # padded tokens per forward/backward
+    ppo_epochs: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
+    dual_clip: float = 0.0  # 0 disables; else c > 1
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline
+    gamma: float = 1.0
+    kl_in_reward: bool = False
+    kl_coef: float = 0.001
+    kl_penalty: str = "k1"
+    kl_target: float = 0.0  # > 0 makes the in-reward KL coefficient adaptive
+    kl_horizon: int = 10000
+
+
+@dataclass
+class RewardConfig:
+    function: str = ""  # "module:function" or "path/file.py:function"; "" = built-in by data_source
+    on_error: str = "zero"  # zero (counted in reward/errors) | raise
+
+
+@dataclass
+class WarmstartConfig:
+    steps: int = 0  # supervised steps on the train answers before RL; 0 skips
+    lr: float = 3e-3
+    batch_size: int = 64
+
+
+@dataclass
+class PlacementConfig:
+    workers: int = 1  # data-parallel ranks of the hybrid actor pool, one process each
+    own_pool: list[str] = field(default_factory=list)  # roles split off the hybrid pool: reward, reference
+    gpus_per_worker: float = 0.0  # 0 = CPU bundles
+    torch_threads: int = 1  # per worker; idle compiled-graph actors spin a core each
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 20
+    save_every: int = 0  # 0 = only at the end
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never | <checkpoint dir>
+    output_dir: str = "outputs/rlflow"
+    seed: int = 0
+    val_every: int = 10
+    samples_every: int = 10  # log a table of sample generations
+    dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
+    experiment: str = "rlflow"
+    run_name: str = ""
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key as {dotted.path: type}."""
+    out: dict[str, Any] = {}
+    for name, tp in typing.get_type_hints(cls).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            out.update(all_keys(tp, key + "."))
+        else:
+            out[key] = tp
+    return out
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(all_keys()), n=1, cutoff=0.4)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    if typing.get_origin(tp) is list:
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(key, v, typing.get_args(tp)[0]) for v in items]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    types = all_keys()
+    if key not in types:
+        raise _unknown(key)
+    *parents, leaf = key.split(".")
+    node: Any = cfg
+    for p in parents:
+        node = getattr(node, p)
+    setattr(node, leaf, _coerce(key, value, types[key]))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and f"{prefix}{k}" not in all_keys():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults, then the YAML diff at `path`, then `key=value` overrides; validated."""
+    cfg = Config()
+    if path:
+        diff = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(diff, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        for key, value in _flatten(diff).items():
+            _set(cfg, key, value)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override '{item}' is not key=value")
+        if raw.strip():  # `key=` (empty) keeps the configured value, as MLproject defaults rely on
+            _set(cfg, key.strip(), yaml.safe_load(raw))
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+CHOICES = {
+    "model.dtype": {"float32", "bfloat16"},
+    "rollout.dtype": {"float32", "bfloat16"},
+    "rollout.backend": {"hf"},
+    "data.overlong_prompts": {"skip", "error"},
+    "actor.lr_schedule": {"constant", "cosine"},
+    "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
+    "actor.kl_loss_type": {"k1", "k2", "k3", "abs"},
+    "algorithm.name": {"grpo"},
+    "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"},
+    "algorithm.kl_penalty": {"k1", "k2", "k3", "abs"},
+    "reward.on_error": {"zero", "raise"},
+    "trainer.dag": {"compiled", "plain"},
+}
+GROUP_ESTIMATORS = {"grpo", "drgrpo", "rloo", "reinforce_pp_baseline"}
+
+
+def _get(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg: Config) -> None:
+    """Every check that can fail before work starts. Raises ConfigError naming the key."""
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {sorted(allowed)}")
+    d, r, a, p = cfg.data, cfg.rollout, cfg.actor, cfg.placement
+    positive = {"data.prompts_per_step": d.prompts_per_step, "data.max_prompt_tokens": d.max_prompt_tokens,
+                "rollout.max_new_tokens": r.max_new_tokens, "actor.mini_batch_prompts": a.mini_batch_prompts,
+                "actor.ppo_epochs": a.ppo_epochs, "placement.workers": p.workers,
+                "trainer.total_steps": cfg.trainer.total_steps, "actor.lr": a.lr,
+                "rollout.samples_per_prompt": r.samples_per_prompt, "placement.torch_threads": p.torch_threads}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if cfg.algorithm.advantage in GROUP_ESTIMATORS and r.samples_per_prompt < 2:
+        raise ConfigError(f"advantage '{cfg.algorithm.advantage}' compares samples of one prompt: "
+                          f"rollout.samples_per_prompt must be >= 2, got {r.samples_per_prompt}")
+    if d.prompts_per_step % a.mini_batch_prompts:
+        raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is not a multiple of "
+                          f"actor.mini_batch_prompts={a.mini_batch_prompts}")
+    if a.mini_batch_prompts % p.workers:
+        raise ConfigError(f"actor.mini_batch_prompts={a.mini_batch_prompts} does not split over "
+                          f"placement.workers={p.workers}")
+    longest = d.max_prompt_tokens + r.max_new_tokens
+    if a.micro_batch_tokens_per_gpu < longest:
+        raise ConfigError(f"actor.micro_batch_tokens_per_gpu={a.micro_batch_tokens_per_gpu} cannot hold one "
+                          f"sequence of max_prompt_tokens + max_new_tokens = {longest}")
+    if r.dtype != cfg.model.dtype:
+        raise ConfigError(f"rollout.dtype={r.dtype} differs from model.dtype={cfg.model.dtype}: rollout "
+                          "logprobs would not match training logprobs")
+    if not 0 < r.top_p <= 1 or r.temperature < 0 or r.top_k < 0:
+        raise ConfigError("rollout needs 0 < top_p <= 1, temperature >= 0, top_k >= 0")
+    if a.dual_clip and a.dual_clip <= 1:
+        raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, got {a.dual_clip}")
+    if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage != "reinforce_pp":
+        raise ConfigError("algorithm.kl_in_reward needs algorithm.advantage=reinforce_pp (token-level "
+                          "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
+    if set(p.own_pool) - {"reward", "reference"}:
+        raise ConfigError(f"placement.own_pool takes reward and/or reference, got {p.own_pool}")
+    if cfg.warmstart.steps < 0 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
+        raise ConfigError("warmstart.steps and trainer.save_every must be >= 0, trainer.keep_last >= 1")
+
+
+def reference_markdown() -> str:
+    """The config reference table (docs/config.md), read off the dataclasses and their comments."""
+    import inspect
+    import re
+
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for section, cls in typing.get_type_hints(Config).items():
+        comments = dict(re.findall(r"^\s+(\w+): [^#\n]*?(?:#\s*(.*))?$", inspect.getsource(cls), re.M))
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            name = getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is not list else str(tp)
+            meaning = comments.get(f.name, "").replace("|", "\\|")
+            rows.append(f"| `{section}.{f.name}` | {name} | `{default!r}` | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print("# Configuration reference\n\nGenerated from `engine/config.py` by "
+          "`python -m engine.config`; a test keeps it in sync.\n\n" + reference_markdown(), end="")

@@ -1,0 +1,76 @@
+import re
+from pathlib import Path
+
+import pytest
+
+from engine.config import ConfigError, all_keys, load_config, to_dict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_validate():
+    cfg = load_config()
+    assert cfg.algorithm.name == "grpo" and cfg.rollout.samples_per_prompt >= 2
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["rollout.samples_per_prompt=4", "actor.lr=1", "data.train_files=a.parquet",
+                             "trainer.run_name=7", "trainer.seed="])
+    assert cfg.rollout.samples_per_prompt == 4
+    assert cfg.actor.lr == 1.0 and isinstance(cfg.actor.lr, float)
+    assert cfg.data.train_files == ["a.parquet"]
+    assert cfg.trainer.run_name == "7"
+    assert cfg.trainer.seed == 0  # empty value keeps the default
+
+
+def test_unknown_key_names_closest():
+    with pytest.raises(ConfigError, match="did you mean 'rollout.samples_per_prompt'"):
+        load_config(None, ["rollout.sample_per_prompt=4"])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("trainer:\n  total_step: 3\n")
+    with pytest.raises(ConfigError, match="trainer.total_steps"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rollout.samples_per_prompt=1", "samples_per_prompt must be >= 2"),
+    ("actor.mini_batch_prompts=48", "not a multiple"),
+    ("placement.workers=3", "does not split"),
+    ("actor.micro_batch_tokens_per_gpu=10", "cannot hold one"),
+    ("rollout.dtype=bfloat16", "differs from model.dtype"),
+    ("rollout.backend=nope", "choose one of"),
+    ("actor.lr=abc", "must be float"),
+    ("trainer.total_steps=0", "must be > 0"),
+    ("actor.dual_clip=0.5", "dual_clip"),
+    ("algorithm.kl_in_reward=true", "kl_in_reward needs"),
+])
+def test_invalid_values_fail_before_work(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
+
+
+def test_drgrpo_with_one_sample_is_still_a_group_error():
+    with pytest.raises(ConfigError):
+        load_config(None, ["algorithm.advantage=drgrpo", "rollout.samples_per_prompt=1"])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert load_config(None, [f"{k}={v}" for k, v in _flat(to_dict(cfg)).items() if v not in ([], "")]) == cfg
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_readme_config_reference_lists_every_key():
+    text = (ROOT / "docs" / "config.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_.]+)` \|", text, re.M))
+    assert documented == set(all_keys()), "regenerate: python -m engine.config > docs/config.md"
