@@ -1,0 +1,181 @@
+"""Rule rewards: decoded responses in, one finite score per response out, one call per batch.
+
+A reward function has verl's signature ``compute_score(data_source, solution_str, ground_truth,
+extra_info=None) -> float | dict`` and is named by ``reward.function`` as "package.module:function"
+or "path/to/file.py:function"; left empty, ``BUILTIN[data_source]`` scores each row.
+
+Invariants:
+- a sample whose function raises or returns a non-number, NaN or inf scores 0.0 and is counted in
+  ``reward/errors`` (on_error="zero"), or fails the call naming the sample (on_error="raise");
+- a failing batch logs one warning (its first failure), not one per sample;
+- a dict result must hold "score"; its other finite numeric keys come back per sample in ``extras``
+  and as ``reward/<key>/mean`` over the samples that reported them;
+- an unknown data_source without ``reward.function`` is a config error and always raises.
+
+Run its tests with ``python -m pytest tests/engine/test_rewards.py -q``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import logging
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from engine import task
+
+log = logging.getLogger("rlflow.reward")
+
+# An optional sign and dollar sign, digits with thousands commas, an optional decimal part.
+# A trailing "." is not part of the number, so "$5." reads as 5.
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+
+
+def load_function(spec: str) -> Callable:
+    """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"`` to a callable."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise ValueError(f"reward function spec {spec!r} must be 'package.module:function' "
+                         "or 'path/to/file.py:function'")
+    module = _load_file(where) if where.endswith(".py") or "/" in where else _import(where)
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"{where!r} has no function {name!r} (from reward spec {spec!r})")
+    if not callable(fn):
+        raise TypeError(f"{where}:{name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):  # not a dependency
+            raise ValueError(f"cannot import reward module {name!r}: {e}") from e
+        raise
+
+
+def _load_file(path: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"reward function file not found: {path}")
+    # Not registered in sys.modules, so cloudpickle ships the function by value to Ray workers.
+    module_spec = importlib.util.spec_from_file_location(f"rlflow_reward_{file.stem}", file)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward function file must be a .py file: {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def _extract(text: str, method: str) -> float | None:
+    if method == "strict":
+        marker = text.rfind("####")
+        found = _NUMBER.match(text[marker + 4:].lstrip()) if marker >= 0 else None
+        numbers = [found.group(0)] if found else []
+    elif method == "flexible":
+        numbers = _NUMBER.findall(text)
+    else:
+        raise ValueError(f"gsm8k method must be 'strict' or 'flexible', got {method!r}")
+    return float(numbers[-1].replace("$", "").replace(",", "")) if numbers else None
+
+
+def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
+                method: str = "strict") -> float:
+    """1.0 when the extracted answer equals ``ground_truth`` numerically, else 0.0.
+
+    strict: the number right after the last ``####``; flexible: the last number in the text.
+    A ground truth that is a full GSM8K solution (contains ``####``) is reduced the strict way.
+    """
+    answer = _extract(solution_str, method)
+    truth = _extract(ground_truth, "strict" if "####" in ground_truth else "flexible")
+    if truth is None:
+        raise ValueError(f"gsm8k ground truth {ground_truth!r} holds no number")
+    return float(answer is not None and math.isclose(answer, truth, rel_tol=1e-9, abs_tol=1e-9))
+
+
+BUILTIN: dict[str, Callable] = {task.DATA_SOURCE: task.compute_score, "openai/gsm8k": gsm8k_score,
+                                 "gsm8k": gsm8k_score}
+
+
+def _finite(value: Any, what: str) -> float:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r:.80}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{what} is {number}")
+    return number
+
+
+def _unpack(result: Any) -> tuple[float, dict[str, float]]:
+    """(score, numeric extras) from a float or a dict result; raises on anything unusable."""
+    if not isinstance(result, dict):
+        return _finite(result, "reward"), {}
+    if "score" not in result:
+        raise KeyError(f"reward dict has no 'score' key (keys: {sorted(result)})")
+    extras = {}
+    for key, value in result.items():
+        with contextlib.suppress(TypeError, ValueError):  # diagnostics: non-numeric ones are dropped
+            extras[key] = _finite(value, key)
+    extras.pop("score", None)
+    return _finite(result["score"], "reward['score']"), extras
+
+
+class RewardFunction:
+    """Scores a batch with the configured function, or the built-in scorer per data_source."""
+
+    def __init__(self, spec: str = "", on_error: str = "zero") -> None:
+        if on_error not in ("zero", "raise"):
+            raise ValueError(f"on_error must be 'zero' or 'raise', got {on_error!r}")
+        self.spec, self.on_error = spec, on_error
+        self._fn = load_function(spec) if spec else None
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from the spec, so a Ray actor receiving it re-imports the function itself.
+        return (RewardFunction, (self.spec, self.on_error))
+
+    def _scorer(self, data_source: str) -> Callable:
+        if self._fn is not None:
+            return self._fn
+        if data_source not in BUILTIN:
+            raise ValueError(f"no built-in reward for data_source {data_source!r} (built-ins: "
+                             f"{sorted(BUILTIN)}); set reward.function='package.module:function' "
+                             "or 'path/to/file.py:function'")
+        return BUILTIN[data_source]
+
+    def __call__(self, data_sources: list[str], solutions: list[str], ground_truths: list[str],
+                 extra_infos: list[dict | None]) -> tuple[list[float], dict[str, float], list[dict]]:
+        """(scores [N], metrics, extras [N]) for N decoded responses."""
+        if not len(data_sources) == len(solutions) == len(ground_truths) == len(extra_infos):
+            raise ValueError("data_sources, solutions, ground_truths and extra_infos differ in length")
+        scores, extras, failures = [], [], []
+        for i, (src, sol, gt, info) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
+            fn = self._scorer(src)
+            try:
+                score, extra = _unpack(fn(src, sol, gt, info))
+            except Exception as e:
+                failure = f"sample {i} (data_source={src!r}): {type(e).__name__}: {e}"
+                if self.on_error == "raise":
+                    raise RuntimeError(f"reward function failed on {failure}") from e
+                failures.append(failure)
+                score, extra = 0.0, {}
+            scores.append(score)
+            extras.append(extra)
+        if failures:
+            log.warning("reward failed on %d/%d samples (scored 0.0); first: %s",
+                        len(failures), len(scores), failures[0])
+        return scores, {"reward/errors": float(len(failures)), **_extra_means(extras)}, extras
+
+
+def _extra_means(extras: list[dict[str, float]]) -> dict[str, float]:
+    """reward/<key>/mean over the samples that reported <key>."""
+    values: dict[str, list[float]] = {}
+    for extra in extras:
+        for key, value in extra.items():
+            values.setdefault(key, []).append(value)
+    return {f"reward/{key}/mean": sum(v) / len(v) for key, v in values.items()}

@@ -1,0 +1,168 @@
+"""engine/data.py: row parsing and skip accounting, file formats, and loader order and resume."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from engine import task
+from engine.data import Prompt, PromptLoader, embedded_files, load_prompts
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    # Saved and reloaded once: the pipeline always loads the tokenizer from a HF directory.
+    path = tmp_path_factory.mktemp("tok")
+    task.build_tokenizer().save_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def row(content="1+2=", truth="3", source="arith", **extra) -> dict:
+    return {"prompt": [{"role": "user", "content": content}], "data_source": source,
+            "reward_model": {"ground_truth": truth}, "extra_info": {"index": 0}, **extra}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def check_counts(counts: dict[str, int]) -> None:
+    assert counts["rows"] == counts["kept"] + counts["overlong"] + counts["malformed"]
+
+
+def test_parquet_and_jsonl_give_identical_prompts(tmp_path, tokenizer) -> None:
+    rows = [row(f"{a}+{a}=", str(2 * a)) for a in range(5)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "p.parquet")
+    from_parquet, counts = load_prompts([str(tmp_path / "p.parquet")], tokenizer, 64)
+    from_jsonl, _ = load_prompts([write_jsonl(tmp_path / "p.jsonl", rows)], tokenizer, 64)
+    assert from_parquet == from_jsonl
+    assert counts == {"rows": 5, "kept": 5, "overlong": 0, "malformed": 0}
+    assert from_parquet[3] == Prompt(tokenizer.encode("3+3=", add_special_tokens=False),
+                                     "arith", "6", {"index": 0}, "3+3=")
+
+
+def test_chat_template_and_string_prompts(tmp_path, tokenizer) -> None:
+    rows = [{**row(), "prompt": [{"role": "system", "content": "Add. "}, {"role": "user", "content": "4+5="}]},
+            {**row(), "prompt": "7+1=", "reward_model": {"ground_truth": 8}}]  # plain string, int answer
+    prompts, _ = load_prompts([write_jsonl(tmp_path / "t.jsonl", rows)], tokenizer, 64)
+    # The embedded template concatenates message contents; no specials are added around them.
+    assert [tokenizer.decode(p.ids) for p in prompts] == ["Add. 4+5=", "7+1="]
+    assert [p.text for p in prompts] == ["Add. 4+5=", "7+1="]
+    assert prompts[1].ground_truth == "8"
+    assert tokenizer.eos_token_id not in prompts[0].ids
+
+
+def test_malformed_rows_are_counted_by_reason(tmp_path, tokenizer, caplog) -> None:
+    no_reward = row()
+    del no_reward["reward_model"]
+    rows = [row(), no_reward, {**row(), "prompt": 5}, {**row(), "prompt": {"role": "user"}},
+            {**row(), "prompt": []}, {**row(), "prompt": "  "}, {**row(), "prompt": [{"role": "user"}]},
+            {**row(), "data_source": None}, {**row(), "extra_info": "not a dict"}, row("9+9=", "18")]
+    with caplog.at_level(logging.WARNING, logger="rlflow.data"):
+        prompts, counts = load_prompts([write_jsonl(tmp_path / "m.jsonl", rows)], tokenizer, 64)
+    assert [p.text for p in prompts] == ["1+2=", "9+9="]
+    assert counts == {"rows": 10, "kept": 2, "overlong": 0, "malformed": 8,
+                      "malformed/missing_ground_truth": 1, "malformed/prompt_type": 2,
+                      "malformed/empty_prompt": 2, "malformed/message_content": 1,
+                      "malformed/data_source": 1, "malformed/extra_info_type": 1}
+    assert len([r for r in caplog.records if r.name == "rlflow.data"]) == 1
+
+
+def test_text_that_is_not_utf8_is_skipped(tmp_path, tokenizer) -> None:
+    message = pa.struct([("role", pa.string()), ("content", pa.binary())])
+    table = pa.table({
+        "prompt": pa.array([[{"role": "user", "content": b"2+2="}], [{"role": "user", "content": b"\xff="}]],
+                           type=pa.list_(message)),
+        "data_source": ["arith", "arith"],
+        "reward_model": [{"ground_truth": "4"}, {"ground_truth": "4"}],
+    })
+    pq.write_table(table, tmp_path / "b.parquet")
+    prompts, counts = load_prompts([str(tmp_path / "b.parquet")], tokenizer, 64)
+    assert [p.text for p in prompts] == ["2+2="]  # valid UTF-8 bytes are decoded, not dropped
+    assert counts["malformed/bad_text"] == 1
+
+
+def test_overlong_is_skipped_or_raises_never_truncated(tmp_path, tokenizer) -> None:
+    path = write_jsonl(tmp_path / "o.jsonl", [row("1+1="), row("12345+1="), row("2+2=")])
+    prompts, counts = load_prompts([path], tokenizer, max_prompt_tokens=4)
+    assert [p.text for p in prompts] == ["1+1=", "2+2="]
+    assert counts["overlong"] == 1 and all(len(p.ids) <= 4 for p in prompts)
+    check_counts(counts)
+    with pytest.raises(ValueError, match=r"row 1: prompt is 8 tokens.*max_prompt_tokens=4"):
+        load_prompts([path], tokenizer, max_prompt_tokens=4, overlong="error")
+
+
+def test_mixed_formats_concatenate_in_file_order(tmp_path, tokenizer) -> None:
+    json_path = tmp_path / "a.json"
+    json_path.write_text(json.dumps([row("1+1="), {**row(), "prompt": 3}]))
+    pd.DataFrame([row("2+2=")]).to_parquet(tmp_path / "b.parquet")
+    files = [str(json_path), str(tmp_path / "b.parquet"), write_jsonl(tmp_path / "c.jsonl", [row("3+3=")])]
+    prompts, counts = load_prompts(files, tokenizer, 64)
+    assert [p.text for p in prompts] == ["1+1=", "2+2=", "3+3="]
+    assert counts["rows"] == 4 and counts["malformed"] == 1
+
+
+def test_unusable_inputs_raise(tmp_path, tokenizer) -> None:
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": 1}, {**row(), "prompt": []}])
+    with pytest.raises(ValueError, match="no usable prompts"):
+        load_prompts([bad], tokenizer, 64)
+    with pytest.raises(ValueError, match="no usable prompts"):
+        load_prompts([write_jsonl(tmp_path / "long.jsonl", [row("1234567890=")])], tokenizer, 4)
+    with pytest.raises(FileNotFoundError, match="missing.parquet"):
+        load_prompts([str(tmp_path / "missing.parquet")], tokenizer, 64)
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported"):
+        load_prompts([str(tmp_path / "x.csv")], tokenizer, 64)
+
+
+def make_prompts(n: int) -> list[Prompt]:
+    return [Prompt([i], "arith", str(i), None, str(i)) for i in range(n)]
+
+
+def ids(batch: list[Prompt]) -> list[int]:
+    return [p.ids[0] for p in batch]
+
+
+def test_loader_is_deterministic_and_seed_dependent() -> None:
+    runs = [[ids(PromptLoader(make_prompts(20), 4, seed).next_batch())] for seed in (0, 0, 1)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    plain = PromptLoader(make_prompts(6), 3, seed=0, shuffle=False)
+    assert [ids(plain.next_batch()) for _ in range(3)] == [[0, 1, 2], [3, 4, 5], [0, 1, 2]]
+
+
+def test_loader_epoch_rollover_drops_the_remainder() -> None:
+    loader = PromptLoader(make_prompts(10), 4, seed=3)
+    epoch0 = ids(loader.next_batch()) + ids(loader.next_batch())
+    assert loader.state_dict() == {"epoch": 0, "position": 8, "seed": 3}
+    epoch1 = ids(loader.next_batch()) + ids(loader.next_batch())
+    assert loader.state_dict() == {"epoch": 1, "position": 8, "seed": 3}
+    assert len(set(epoch0)) == len(set(epoch1)) == 8  # no repeats within an epoch
+    assert epoch0 != epoch1  # a fresh permutation each epoch
+    with pytest.raises(ValueError, match="batch_size"):
+        PromptLoader(make_prompts(3), 4, seed=0)
+
+
+def test_loader_resumes_exactly_from_state_dict() -> None:
+    a = PromptLoader(make_prompts(13), 4, seed=7)
+    for _ in range(5):  # crosses an epoch boundary (3 full batches per epoch)
+        a.next_batch()
+    b = PromptLoader(make_prompts(13), 4, seed=0)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # as a checkpoint would store it
+    assert [ids(a.next_batch()) for _ in range(3)] == [ids(b.next_batch()) for _ in range(3)]
+
+
+def test_embedded_files_build_once_and_load(tmp_path, tokenizer) -> None:
+    paths = embedded_files(tmp_path, seed=0)
+    assert paths == {"train": str(tmp_path / "data/train.parquet"), "val": str(tmp_path / "data/val.parquet")}
+    stamp = Path(paths["train"]).stat().st_mtime_ns
+    assert embedded_files(tmp_path, seed=0) == paths and Path(paths["train"]).stat().st_mtime_ns == stamp
+    prompts, counts = load_prompts([paths["val"]], tokenizer, 64)
+    assert counts["kept"] == counts["rows"] == 256 and prompts[0].data_source == "arith"

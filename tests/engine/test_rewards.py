@@ -1,0 +1,161 @@
+"""engine/rewards.py: answer extraction on hand-written strings, function loading, batch error handling."""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+import textwrap
+
+import pytest
+
+from engine import task
+from engine.rewards import BUILTIN, RewardFunction, gsm8k_score, load_function
+
+
+@pytest.mark.parametrize("text, truth, method, expected", [
+    ("so the total is #### 1,234", "1234", "strict", 1.0),
+    ("#### 72 and then #### 73", "73", "strict", 1.0),  # the last marker wins
+    ("The answer is #### $5.", "5", "strict", 1.0),
+    ("#### 18.0", "18", "strict", 1.0),  # compared as numbers, not strings
+    ("#### -3", "-3", "strict", 1.0),
+    ("#### 12", "13", "strict", 0.0),
+    ("The answer is 1,234", "1234", "strict", 0.0),  # no marker: strict gives nothing
+    ("#### unsure, maybe 4", "4", "strict", 0.0),
+    ("3 apples and 4 pears make 7", "7", "flexible", 1.0),
+    ("It costs $1,234.", "1234", "flexible", 1.0),
+    ("7 is wrong, it is 8", "7", "flexible", 0.0),
+    ("no digits at all", "7", "flexible", 0.0),
+    ("#### 72", "Natalia sold 48 + 24 = 72 clips.\n#### 72", "strict", 1.0),  # full GSM8K solution
+])
+def test_gsm8k_score(text: str, truth: str, method: str, expected: float) -> None:
+    assert gsm8k_score("openai/gsm8k", text, truth, method=method) == expected
+
+
+def test_gsm8k_rejects_unknown_method() -> None:
+    with pytest.raises(ValueError, match="strict"):
+        gsm8k_score("gsm8k", "#### 1", "1", method="loose")
+
+
+def test_builtin_table() -> None:
+    assert BUILTIN["arith"] is task.compute_score
+    assert BUILTIN["gsm8k"] is BUILTIN["openai/gsm8k"] is gsm8k_score
+
+
+SOURCE = """
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth)
+"""
+
+
+def test_load_function_from_module(tmp_path, monkeypatch) -> None:
+    (tmp_path / "my_reward_mod.py").write_text(SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = load_function("my_reward_mod:score")
+    assert fn("x", "a", "a") == 1.0 and fn("x", "a", "b") == 0.0
+
+
+def test_load_function_from_file(tmp_path) -> None:
+    path = tmp_path / "sub" / "reward_file.py"
+    path.parent.mkdir()
+    path.write_text(SOURCE)
+    assert load_function(f"{path}:score")("x", "a", "a") == 1.0
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("no_colon_here", "package.module:function"),
+    ("engine.task:", "package.module:function"),
+    ("engine.task:not_there", "not_there"),
+    ("no_such_module_xyz:f", "no_such_module_xyz"),
+    ("/nonexistent/dir/r.py:f", "not found"),
+])
+def test_load_function_bad_specs(spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_function(spec)
+    with pytest.raises(TypeError, match="not a function"):
+        load_function("engine.task:DATA_SOURCE")
+
+
+def write_reward(tmp_path, body: str) -> str:
+    path = tmp_path / "reward.py"
+    path.write_text(textwrap.dedent(body))
+    return f"{path}:compute_score"
+
+
+def batch(solutions: list[str]) -> tuple[list, list, list, list]:
+    n = len(solutions)
+    return ["src"] * n, solutions, ["1"] * n, [None] * n
+
+
+def test_failures_score_zero_are_counted_and_logged_once(tmp_path, caplog) -> None:
+    spec = write_reward(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            if solution_str == "boom":
+                raise ZeroDivisionError("bad sample")
+            if solution_str == "nan":
+                return float("nan")
+            if solution_str == "inf":
+                return float("inf")
+            if solution_str == "text":
+                return "1.0"
+            if solution_str == "none":
+                return None
+            return True if solution_str == "bool" else 1.0
+    """)
+    with caplog.at_level(logging.WARNING, logger="rlflow.reward"):
+        scores, metrics, extras = RewardFunction(spec)(*batch(["ok", "boom", "nan", "boom", "text",
+                                                                "inf", "none", "bool"]))
+    assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert metrics["reward/errors"] == 6
+    assert extras == [{}] * 8
+    warnings = [r for r in caplog.records if r.name == "rlflow.reward"]
+    assert len(warnings) == 1
+    assert "ZeroDivisionError" in warnings[0].getMessage() and "'src'" in warnings[0].getMessage()
+
+
+def test_dict_results_give_extras_and_averaged_metrics(tmp_path) -> None:
+    spec = write_reward(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            if solution_str == "plain":
+                return 0.5
+            if solution_str == "noscore":
+                return {"acc": 1.0}
+            return {"score": 2.0, "acc": float(solution_str), "pred": "text is not a metric"}
+    """)
+    scores, metrics, extras = RewardFunction(spec)(*batch(["1", "0", "plain", "noscore"]))
+    assert scores == [2.0, 2.0, 0.5, 0.0]
+    assert extras == [{"acc": 1.0}, {"acc": 0.0}, {}, {}]
+    assert metrics == {"reward/errors": 1.0, "reward/acc/mean": 0.5}  # mean over the samples reporting it
+
+
+def test_on_error_raise_names_the_sample(tmp_path) -> None:
+    spec = write_reward(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 1 / int(solution_str)
+    """)
+    with pytest.raises(RuntimeError, match="sample 2") as info:
+        RewardFunction(spec, on_error="raise")(*batch(["1", "2", "0"]))
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_builtin_scorers_by_data_source() -> None:
+    scores, metrics, _ = RewardFunction()(["arith", "arith", "gsm8k"], [" 12 ", "13", "#### 1,000"],
+                                          ["12", "12", "1000"], [None, {"index": 1}, None])
+    assert scores == [1.0, 0.0, 1.0]
+    assert metrics == {"reward/errors": 0.0}
+
+
+def test_unknown_data_source_without_function_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="reward.function") as info:
+        RewardFunction(on_error="zero")(["my/dataset"], ["x"], ["y"], [None])
+    assert "my/dataset" in str(info.value)
+
+
+def test_pickles_by_spec(tmp_path) -> None:
+    spec = write_reward(tmp_path, """
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 0.25
+    """)
+    clone = pickle.loads(pickle.dumps(RewardFunction(spec, on_error="raise")))
+    assert clone.on_error == "raise"
+    assert math.isclose(clone(*batch(["a"]))[0][0], 0.25)
