@@ -1,0 +1,73 @@
+"""The one record that flows between stages during a step.
+
+N = sequences in the batch (prompts x samples_per_prompt), P = padded prompt length,
+R = padded response length. Prompts are LEFT-padded and responses RIGHT-padded, so
+`cat([prompt_ids, response_ids], 1)` puts every response right after its prompt, and logits at
+column P-1+t predict response token t for every row alike.
+
+Invariants:
+- rows of one prompt are contiguous (`group_size` of them), which the group advantages rely on;
+- fields start as None and each stage fills its own: rollout -> response_*, rollout_logprobs;
+  reward -> scores; reference -> ref_logprobs; actor -> old_logprobs; advantages last;
+- `timing` and `metrics` accumulate per-phase numbers on the way to the driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Batch:
+    prompt_ids: torch.Tensor  # [N, P] int64, left-padded
+    prompt_mask: torch.Tensor  # [N, P] int64
+    group_size: int
+    data_source: list[str]
+    ground_truth: list[str]
+    extra_info: list[dict | None]
+    response_ids: torch.Tensor | None = None  # [N, R] int64, right-padded
+    response_mask: torch.Tensor | None = None  # [N, R] float32, 1 on generated tokens (incl. eos)
+    rollout_logprobs: torch.Tensor | None = None  # [N, R] float32, from the rollout engine
+    finish_reason: list[str] = field(default_factory=list)  # "stop" | "length"
+    prompt_text: list[str] = field(default_factory=list)  # templated prompt, for sample tables
+    responses: list[str] = field(default_factory=list)  # decoded, special tokens skipped
+    scores: torch.Tensor | None = None  # [N] float32
+    ref_logprobs: torch.Tensor | None = None  # [N, R]
+    old_logprobs: torch.Tensor | None = None  # [N, R]
+    advantages: torch.Tensor | None = None  # [N, R]
+    timing: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [N, P+R], attention_mask [N, P+R], position_ids [N, P+R]) for a forward."""
+        assert self.response_ids is not None and self.response_mask is not None
+        ids = torch.cat([self.prompt_ids, self.response_ids], 1)
+        mask = torch.cat([self.prompt_mask, self.response_mask.long()], 1)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        return ids, mask, positions
+
+    def rows(self, index: torch.Tensor | slice) -> Batch:
+        """A sub-batch of whole rows (tensors indexed on dim 0, lists picked alike)."""
+        idx = torch.arange(len(self))[index]
+        picked = {}
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                picked[name] = value[idx]
+            elif isinstance(value, list) and len(value) == len(self):
+                picked[name] = [value[i] for i in idx.tolist()]
+            else:
+                picked[name] = value
+        return Batch(**picked)
+
+
+@dataclass
+class RolloutRequest:
+    """What the driver sends a rollout worker: its shard of prompts and how to sample them."""
+    prompts: list  # list[engine.data.Prompt]
+    step: int  # seeds sampling, so a resumed or replayed step draws the same samples
+    greedy: bool = False  # validation decodes greedily, one sample per prompt

@@ -1,0 +1,98 @@
+"""Checkpoint directories: atomic writes, a `latest` pointer, retention, safe loading.
+
+Layout under `<output_dir>/checkpoints/`:
+    step_000010/  model.safetensors  trainer.pt  worker_<rank>.pt  driver.json  COMPLETE
+    latest        (text: the name of the newest complete checkpoint)
+
+Invariants:
+- a checkpoint is written into `.tmp-step_N/` and renamed into place only when every file is
+  there; `COMPLETE` (listing each file's size) is written last, inside the temp dir;
+- `latest` is replaced atomically and only ever names a directory that has `COMPLETE`;
+- loading never executes pickled code: safetensors for weights, `torch.load(weights_only=True)`
+  for optimizer and RNG state, JSON for the driver's state;
+- a partial or corrupt checkpoint is skipped with a warning naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger("rlflow.checkpoint")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def begin(root: Path, step: int) -> Path:
+    """A fresh temp directory for checkpoint `step`; workers write their files into it."""
+    tmp = root / f".tmp-step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(root: Path, tmp: Path, step: int, driver_state: dict, keep_last: int) -> Path:
+    """Seal `tmp` (driver state, manifest), rename it into place, point `latest` at it, prune."""
+    (tmp / "driver.json").write_text(json.dumps(driver_state, indent=1))
+    manifest = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    (tmp / "COMPLETE").write_text(json.dumps(manifest))
+    final = step_dir(root, step)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / ".latest.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, root / "latest")
+    for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def problem(path: Path) -> str | None:
+    """Why `path` is not a usable checkpoint, or None when it is complete and intact."""
+    marker = path / "COMPLETE"
+    if not marker.is_file():
+        return "no COMPLETE marker (the write never finished)"
+    try:
+        manifest = json.loads(marker.read_text())
+    except ValueError:
+        return "COMPLETE marker is unreadable"
+    for name, size in manifest.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            return f"{name} is missing or has the wrong size"
+    return None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Intact checkpoints, oldest first; partial ones are skipped with a warning."""
+    found = []
+    for path in sorted(root.glob("step_*")):
+        reason = problem(path)
+        if reason:
+            log.warning("skipping checkpoint %s: %s", path, reason)
+        else:
+            found.append(path)
+    return found
+
+
+def find_resume(root: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from: `never` -> None, `auto` -> newest intact, else that path."""
+    if resume == "never":
+        return None
+    if resume != "auto":
+        path = Path(resume)
+        reason = problem(path)
+        if reason:
+            raise FileNotFoundError(f"trainer.resume={resume}: not a usable checkpoint: {reason}")
+        return path
+    found = complete_checkpoints(root) if root.is_dir() else []
+    return found[-1] if found else None
+
+
+def read_driver_state(path: Path) -> dict:
+    return json.loads((path / "driver.json").read_text())

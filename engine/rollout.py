@@ -1,0 +1,130 @@
+"""Rollout engines: prompt token ids in, sampled responses with per-token logprobs out.
+
+One interface (`RolloutEngine`), backends picked by `rollout.backend`:
+- `hf`: transformers' `generate` over the training module itself (hybrid, zero-copy on one
+  device); a slow reference that works for any architecture.
+
+Invariants:
+- `generate` returns, per prompt, `n` completions in order, so a prompt's samples are contiguous;
+- `logprobs[t]` is log softmax(logits_t / temperature)[token_t] over the FULL vocabulary (top-p/k
+  only restrict what can be sampled), which is exactly what the trainer recomputes; greedy
+  decoding (temperature 0) reports logprobs at temperature 1;
+- a response ends with its stop token included (finish "stop") or at max_new_tokens ("length");
+- the same seed gives the same samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    n: int = 1
+    max_new_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop_strings: list[str] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]: ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P], mask [B, P]) with every prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+class HFRollout:
+    """transformers `generate` on a causal LM module, shared with the trainer when hybrid."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        from transformers import GenerationConfig
+
+        ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
+        ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
+        stops = sorted({self.tokenizer.eos_token_id, *params.stop_token_ids})
+        greedy = params.temperature == 0
+        gen = GenerationConfig(
+            do_sample=not greedy, temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p, top_k=(params.top_k or None) if not greedy else None,
+            max_new_tokens=params.max_new_tokens, eos_token_id=stops,
+            pad_token_id=self.tokenizer.pad_token_id, stop_strings=params.stop_strings or None,
+            output_logits=True, return_dict_in_generate=True,
+        )
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        torch.manual_seed(params.seed)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                      generation_config=gen, tokenizer=self.tokenizer)
+        self.model.train(was_training)
+        tokens = out.sequences[:, ids.shape[1]:].cpu()  # [B*n, R]
+        logits = torch.stack(out.logits, 1).float()  # [B*n, R, V]
+        logp = torch.log_softmax(logits / (params.temperature or 1.0), -1)
+        logp = logp.gather(-1, tokens.to(logp.device).unsqueeze(-1)).squeeze(-1).cpu()
+        flat = [self._cut(tokens[i], logp[i], stops, params) for i in range(len(tokens))]
+        return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
+
+    def _cut(self, tokens: torch.Tensor, logp: torch.Tensor, stops: list[int],
+             params: SamplingParams) -> Completion:
+        """Trim one row to its first stop token (kept) or stop string; name the finish reason."""
+        toks = tokens.tolist()
+        for t, tok in enumerate(toks):
+            if tok in stops:
+                return Completion(toks[:t + 1], logp[:t + 1].tolist(), "stop")
+        for t in range(len(toks) if params.stop_strings else 0):
+            text = self.tokenizer.decode(toks[:t + 1])
+            if any(text.endswith(s) for s in params.stop_strings):
+                return Completion(toks[:t + 1], logp[:t + 1].tolist(), "stop")
+        return Completion(toks, logp.tolist(), "length")
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+
+    def release_memory(self) -> None:
+        """Nothing to release: `generate` allocates its cache per call."""
+
+    def resume_memory(self) -> None:
+        """Nothing to take back: see release_memory."""
+
+
+def build_rollout(backend: str, model: torch.nn.Module, tokenizer) -> RolloutEngine:
+    if backend == "hf":
+        return HFRollout(model, tokenizer)
+    raise ValueError(f"unknown rollout.backend '{backend}'")

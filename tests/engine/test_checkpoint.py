@@ -1,0 +1,47 @@
+import json
+
+from engine import checkpoint
+
+
+def write(root, step, keep=3):
+    tmp = checkpoint.begin(root, step)
+    (tmp / "model.safetensors").write_bytes(b"x" * step)
+    return checkpoint.commit(root, tmp, step, {"step": step}, keep)
+
+
+def test_commit_is_complete_and_latest_points_at_it(tmp_path):
+    final = write(tmp_path, 2)
+    assert checkpoint.problem(final) is None
+    assert (tmp_path / "latest").read_text() == "step_000002"
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert checkpoint.read_driver_state(final) == {"step": 2}
+
+
+def test_auto_resume_skips_partial_and_corrupt(tmp_path, caplog):
+    write(tmp_path, 2)
+    write(tmp_path, 4)
+    (tmp_path / "step_000004" / "model.safetensors").write_bytes(b"short")  # truncated file
+    (tmp_path / "step_000006").mkdir()  # a crash before COMPLETE
+    checkpoint.begin(tmp_path, 8)  # an unfinished temp dir is never considered
+    assert checkpoint.find_resume(tmp_path, "auto") == tmp_path / "step_000002"
+    assert "wrong size" in caplog.text and "no COMPLETE marker" in caplog.text
+
+
+def test_retention_keeps_last_k(tmp_path):
+    for step in (1, 2, 3, 4):
+        write(tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000003", "step_000004"]
+
+
+def test_resume_never_and_explicit(tmp_path):
+    final = write(tmp_path, 1)
+    assert checkpoint.find_resume(tmp_path, "never") is None
+    assert checkpoint.find_resume(tmp_path, str(final)) == final
+    assert checkpoint.find_resume(tmp_path / "missing", "auto") is None
+    (final / "COMPLETE").write_text("{not json")
+    try:
+        checkpoint.find_resume(tmp_path, str(final))
+    except FileNotFoundError as e:
+        assert "unreadable" in str(e)
+    else:
+        raise AssertionError("a corrupt explicit checkpoint must fail")
