@@ -1,0 +1,232 @@
+"""MLflow tracking: the one module in rlflow that talks to MLflow.
+
+The driver builds one `Tracker`, logs through it and calls `finish`. Actors never log; they return
+metrics to the driver.
+
+Invariants:
+- One run per driver. With `MLFLOW_RUN_ID` set (as `mlflow run` does) the tracker attaches to that
+  run and never creates a second one.
+- Every call names its run and tracking URI explicitly on an `MlflowClient`; no global MLflow state
+  is read or set (`mlflow.set_tracking_uri` would also rewrite `MLFLOW_TRACKING_URI` in os.environ).
+- Logging never stops training. Non-finite or non-numeric metric values are dropped and counted in
+  `dropped_metrics`. A tracking failure logs ONE warning per outage; failed metrics stay in a
+  bounded in-memory buffer and are sent first by the next `log_metrics` call made at least
+  RETRY_AFTER_S later (and by `finish`). Each failed attempt still waits out MLflow's own HTTP
+  retries: with the default MLFLOW_HTTP_REQUEST_MAX_RETRIES=7 that is about 4 minutes, so training
+  jobs should set it low (e.g. 2).
+- One `log_batch` call per step (split only past MLflow's 1000-metrics-per-batch cap).
+- Names are sanitised to what MLflow accepts (`val/arith/acc` passes unchanged); param values are
+  truncated with a visible "..." marker; params already on the run with the same value are
+  skipped, so resuming a run does not error.
+
+Run the tests: `python -m pytest tests/engine/test_tracking.py -q`
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import numbers
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking.context.registry import resolve_tags
+from mlflow.utils.validation import (
+    MAX_ENTITY_KEY_LENGTH,
+    MAX_METRICS_PER_BATCH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_PARAMS_TAGS_PER_BATCH,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING_METRICS = 100_000  # buffer cap during an outage; the oldest values go first
+RETRY_AFTER_S = 60.0  # after a failed send, metrics only buffer for this long
+SYSTEM_METRICS_INTERVAL_S = 10.0
+# MLflow wraps REST failures in MlflowException; requests' own errors (artifact uploads) are OSErrors.
+TRACKING_ERRORS = (MlflowException, OSError)
+_ILLEGAL = re.compile(r"[^\w\-. :/]")  # MLflow allows alphanumerics, _ - . space : /
+
+
+def flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}, "c": [1, 2]} -> {"a.b": 1, "c": "[1, 2]"}."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name))
+        else:
+            out[name] = str(list(value)) if isinstance(value, (list, tuple)) else value
+    return out
+
+
+def default_tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.abspath('mlflow.db')}"
+
+
+def sanitise_name(name: str) -> str:
+    """Map any key to a legal MLflow metric/param name; legal names pass unchanged."""
+    # MLflow also rejects names that change under normpath ("a//b", "/a", "a/./b").
+    parts = [p if p not in (".", "..") else "_" for p in _ILLEGAL.sub("_", str(name)).split("/") if p]
+    return ("/".join(parts) or "_")[:MAX_ENTITY_KEY_LENGTH]
+
+
+def _as_float(value: Any) -> float | None:
+    """A finite float, or None for anything MLflow would reject (bool, str, NaN, inf)."""
+    if hasattr(value, "item") and not isinstance(value, numbers.Number):
+        try:
+            value = value.item()  # 0-d tensors and numpy arrays
+        except (ValueError, RuntimeError):
+            return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _truncate(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= MAX_PARAM_VAL_LENGTH else text[: MAX_PARAM_VAL_LENGTH - 3] + "..."
+
+
+class Tracker:
+    """The driver's handle on its MLflow run."""
+
+    def __init__(
+        self,
+        experiment: str = "rlflow",
+        run_name: str | None = None,
+        tags: dict[str, str] | None = None,
+        tracking_uri: str | None = None,
+        system_metrics: bool = True,
+    ) -> None:
+        self.tracking_uri = tracking_uri or default_tracking_uri()
+        self.client = MlflowClient(self.tracking_uri)
+        self.dropped_metrics = 0
+        self._pending: list[Metric] = []
+        self._warned = False
+        self._retry_at = 0.0  # time.monotonic() before which buffered metrics are not resent
+        self._finished = False
+        attach_id = os.environ.get("MLFLOW_RUN_ID")
+        self._run_id = self._attach(attach_id) if attach_id else self._create(experiment, run_name, tags)
+        if attach_id and tags:
+            self.set_tags(tags)
+        self._monitor = self._start_system_metrics(resume=bool(attach_id)) if system_metrics else None
+
+    @property
+    def run_id(self) -> str:
+        return self._run_id
+
+    def _attach(self, run_id: str) -> str:
+        if self.client.get_run(run_id).info.status != "RUNNING":  # resuming a terminated run
+            self.client.update_run(run_id, status="RUNNING")
+        return run_id
+
+    def _create(self, experiment: str, run_name: str | None, tags: dict[str, str] | None) -> str:
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(experiment)
+        # resolve_tags adds the user, source and git commit tags that mlflow.start_run would.
+        return self.client.create_run(exp_id, run_name=run_name, tags=resolve_tags(tags)).info.run_id
+
+    def _start_system_metrics(self, resume: bool) -> Any:
+        if importlib.util.find_spec("psutil") is None:  # the monitor samples through psutil
+            return None
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        monitor = SystemMetricsMonitor(
+            self._run_id, SYSTEM_METRICS_INTERVAL_S, resume_logging=resume, tracking_uri=self.tracking_uri
+        )
+        monitor.start()
+        return monitor
+
+    def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> bool:
+        """Run one MLflow call; on failure warn once per outage instead of raising."""
+        try:
+            fn(*args, **kwargs)
+        except TRACKING_ERRORS as e:  # a tracking outage must not kill training
+            self._warn(e)
+            return False
+        self._warned = False
+        return True
+
+    def _warn(self, error: Exception) -> None:
+        if not self._warned:
+            log.warning("MLflow tracking failed, training continues and metrics are retried: %s", error)
+        self._warned = True
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        flat = {sanitise_name(k): _truncate(v) for k, v in flatten(params).items()}
+        try:
+            existing = self.client.get_run(self._run_id).data.params
+        except TRACKING_ERRORS as e:
+            return self._warn(e)
+        changed = sorted(k for k in flat if k in existing and existing[k] != flat[k])
+        if changed:
+            log.warning("params already logged with other values, kept as they were: %s", changed)
+        self._log_batches("params", [Param(k, v) for k, v in flat.items() if k not in existing])
+
+    def _log_batches(self, kind: str, entities: list[Any]) -> None:
+        """Params or tags, in batches of MLflow's 100-per-call cap."""
+        for i in range(0, len(entities), MAX_PARAMS_TAGS_PER_BATCH):
+            chunk = entities[i : i + MAX_PARAMS_TAGS_PER_BATCH]
+            self._guard(self.client.log_batch, self._run_id, **{kind: chunk})
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        now_ms = int(time.time() * 1000)
+        for key, value in metrics.items():
+            number = _as_float(value)
+            if number is None:
+                self.dropped_metrics += 1
+            else:
+                self._pending.append(Metric(sanitise_name(key), number, now_ms, int(step)))
+        if len(self._pending) > MAX_PENDING_METRICS:
+            self.dropped_metrics += len(self._pending) - MAX_PENDING_METRICS
+            del self._pending[:-MAX_PENDING_METRICS]
+        if time.monotonic() >= self._retry_at:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._pending:
+            chunk = self._pending[:MAX_METRICS_PER_BATCH]
+            if not self._guard(self.client.log_batch, self._run_id, metrics=chunk):
+                self._retry_at = time.monotonic() + RETRY_AFTER_S
+                return
+            del self._pending[: len(chunk)]
+
+    def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
+        """Rows of samples -> a table artifact (.json or .parquet). MLflow appends to an existing file."""
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+        table = {c: [row.get(c) for row in rows] for c in columns}
+        if table:
+            self._guard(self.client.log_table, self._run_id, table, artifact_file)
+
+    def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
+        """A file, or a directory's contents, under `artifact_path` (as MLflow's log_artifacts does)."""
+        log_fn = self.client.log_artifacts if os.path.isdir(path) else self.client.log_artifact
+        self._guard(log_fn, self._run_id, path, artifact_path)
+
+    def log_dict(self, d: dict, artifact_file: str) -> None:
+        """Written as yaml for .yaml/.yml, json otherwise."""
+        self._guard(self.client.log_dict, self._run_id, d, artifact_file)
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self._log_batches("tags", [RunTag(k, str(v)) for k, v in tags.items()])
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """End the run (FINISHED, FAILED or KILLED). A second call does nothing."""
+        if self._finished:
+            return
+        self._finished = True
+        self._flush()
+        if self._pending:
+            log.warning("%d metric values could not be sent and are lost", len(self._pending))
+        if self._monitor is not None:
+            self._monitor.finish()
+        self._guard(self.client.set_terminated, self._run_id, status)
