@@ -1,0 +1,242 @@
+"""The hybrid actor stage: one process that generates with the rollout engine and trains the policy.
+
+Verbs: `generate`, `logprobs`, `advantages`, `update`, `sft_update`, `save`, `load`, `export`.
+The rollout engine and the trainer share one set of weights, so there is nothing to sync after
+an update on one device.
+
+Invariants:
+- sampling is seeded from (trainer.seed, step, rank): a resumed step draws the same samples;
+- a mini-batch holds whole prompt groups; losses divide by all-rank token/sequence counts so the
+  update does not depend on how rows are split into micro-batches or ranks;
+- `old_logprobs` are recomputed by the trainer; the rollout's own logprobs only feed the
+  train/infer mismatch metrics.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from engine import algos
+from engine.batch import Batch, RolloutRequest
+from engine.config import Config
+from engine.rollout import SamplingParams, build_rollout, left_pad
+from engine.train import TrainEngine, all_reduce_sum, micro_batches, response_logits, response_logprobs
+
+
+def right_pad(rows: list[list[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
+class ActorRollout:
+    def __init__(self, cfg: Config, model_path: str, rank: int = 0, world: int = 1,
+                 device: str = "cpu") -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        a = cfg.actor
+        self.engine = TrainEngine(model_path, a.lr, a.weight_decay, a.grad_clip, a.warmup_steps,
+                                  cfg.trainer.total_steps * a.ppo_epochs * (cfg.data.prompts_per_step //
+                                                                            a.mini_batch_prompts),
+                                  a.lr_schedule, cfg.model.dtype, device)
+        self.rollout = build_rollout(cfg.rollout.backend, self.engine.model, self.tokenizer)
+        alg = cfg.algorithm
+        self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
+                       if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))
+
+    # -- rollout ---------------------------------------------------------------------------
+    def generate(self, request: RolloutRequest) -> Batch:
+        start = time.perf_counter()
+        r = self.cfg.rollout
+        params = SamplingParams(
+            temperature=0.0 if request.greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+            n=1 if request.greedy else r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
+            stop_strings=r.stop_strings, seed=hash((self.cfg.trainer.seed, request.step, self.rank)) % 2**31)
+        groups = self.rollout.generate([p.ids for p in request.prompts], params)
+        completions = [c for group in groups for c in group]
+        n = params.n
+        pids, pmask = left_pad([p.ids for p in request.prompts], self.tokenizer.pad_token_id)
+        expand = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        batch = Batch(
+            prompt_ids=pids.repeat_interleave(n, 0), prompt_mask=pmask.repeat_interleave(n, 0), group_size=n,
+            data_source=expand([p.data_source for p in request.prompts]),
+            ground_truth=expand([p.ground_truth for p in request.prompts]),
+            extra_info=expand([p.extra_info for p in request.prompts]),
+            response_ids=right_pad([c.token_ids for c in completions], self.tokenizer.pad_token_id, torch.long),
+            response_mask=right_pad([[1.0] * len(c.token_ids) for c in completions], 0.0, torch.float32),
+            rollout_logprobs=right_pad([c.logprobs for c in completions], 0.0, torch.float32),
+            finish_reason=[c.finish_reason for c in completions],
+            prompt_text=expand([p.text for p in request.prompts]),
+            responses=self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True),
+        )
+        batch.timing["gen"] = time.perf_counter() - start
+        return batch
+
+    # -- training --------------------------------------------------------------------------
+    def logprobs(self, batch: Batch) -> Batch:
+        """Old-policy logprobs, plus how far they are from what the rollout engine reported."""
+        start = time.perf_counter()
+        ids, mask, pos = batch.sequences()
+        batch.old_logprobs, _ = response_logprobs(
+            self.engine.model, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
+            self.cfg.actor.micro_batch_tokens_per_gpu)
+        diff = (batch.old_logprobs.exp() - batch.rollout_logprobs.exp()).abs()
+        valid = batch.response_mask.bool()
+        batch.metrics["training/rollout_probs_diff_mean"] = float(diff[valid].mean())
+        batch.metrics["training/rollout_probs_diff_max"] = float(diff[valid].max())
+        batch.timing["old_log_prob"] = time.perf_counter() - start
+        return batch
+
+    def advantages(self, batch: Batch) -> Batch:
+        start = time.perf_counter()
+        alg, mask = self.cfg.algorithm, batch.response_mask
+        token_rewards = None
+        if alg.kl_in_reward:
+            last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & mask.bool()
+            kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
+            token_rewards = algos.kl_in_reward(last.float() * batch.scores[:, None], kl, mask, self.kl_ctl.value)
+            batch.metrics["actor/reward_kl_penalty"] = float(algos.masked_mean(kl, mask))
+            batch.metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctl.value
+        batch.advantages = algos.compute_advantages(
+            alg.advantage, batch.scores, mask, batch.group_size, alg.gamma, token_rewards)
+        batch.timing["adv"] = time.perf_counter() - start
+        return batch
+
+    def update(self, batch: Batch) -> dict:
+        """PPO-clip epochs over mini-batches; returns the step's metrics, timings and samples."""
+        start = time.perf_counter()
+        a = self.cfg.actor
+        rows = a.mini_batch_prompts // self.world * batch.group_size
+        stats: dict[str, list[float]] = {}
+        for _ in range(a.ppo_epochs):
+            for lo in range(0, len(batch), rows):
+                mini = batch.rows(slice(lo, lo + rows))
+                out = self.engine.step(lambda mini=mini: self._micro_losses(mini, stats))
+                for k in ("grad_norm", "lr"):
+                    stats.setdefault(f"actor/{k}", []).append(out[k])
+                stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(out["loss"]))
+        if self.cfg.algorithm.kl_in_reward:
+            self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
+        batch.timing["update_actor"] = time.perf_counter() - start
+        metrics = {k: float(np.mean(v)) for k, v in stats.items()}
+        metrics["actor/skipped_steps"] = self.engine.skipped_steps
+        return {"metrics": {**batch_metrics(batch), **metrics}, "timing": batch.timing,
+                "samples": samples(batch, 4)}
+
+    def _micro_losses(self, mini: Batch, stats: dict[str, list[float]]) -> list:
+        a, mask = self.cfg.actor, mini.response_mask
+        seq_mode = a.loss_agg != "token-mean"
+        denom = all_reduce_sum(float(len(mini)) if seq_mode else float(mask.sum()))
+        ids, attn, pos = mini.sequences()
+        return [lambda r=r: self._loss(mini, r, ids, attn, pos, denom, stats)
+                for r in micro_batches(ids.shape[0], ids.shape[1], a.micro_batch_tokens_per_gpu)]
+
+    def _loss(self, mini: Batch, r: slice, ids, attn, pos, denom: float, stats) -> torch.Tensor:
+        a, mask = self.cfg.actor, mini.response_mask[r]
+        logits = response_logits(self.engine.model, ids[r], attn[r], pos[r], mini.response_ids.shape[1])
+        logits = logits / (self.cfg.rollout.temperature or 1.0)
+        logp = algos.token_logprobs(logits, mini.response_ids[r].to(logits.device)).cpu()
+        agg = dict(mode=a.loss_agg, denom=denom, norm_len=self.cfg.rollout.max_new_tokens)
+        loss, m = algos.policy_loss(logp, mini.old_logprobs[r], mini.advantages[r], mask, a.clip_low,
+                                    a.clip_high, a.dual_clip or None, a.loss_agg, denom,
+                                    self.cfg.rollout.max_new_tokens)
+        entropy = algos.entropy_from_logits(logits).cpu()
+        stats.setdefault("actor/entropy", []).append(float(algos.masked_mean(entropy.detach(), mask)))
+        if a.entropy_coef:
+            loss = loss - a.entropy_coef * algos.agg_loss(entropy, mask, **agg)
+        if mini.ref_logprobs is not None:
+            kl = algos.kl_penalty(logp, mini.ref_logprobs[r], a.kl_loss_type)
+            stats.setdefault("actor/kl_loss", []).append(float(algos.masked_mean(kl.detach(), mask)))
+            if a.kl_loss_coef:
+                loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, **agg)
+        for k, v in m.items():
+            stats.setdefault(f"actor/{k}", []).append(float(v))
+        return loss
+
+    def sft_update(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+        """One supervised step: next-token cross-entropy on the response tokens only."""
+        pids, pmask = left_pad([p for p, _ in pairs], self.tokenizer.pad_token_id)
+        batch = Batch(pids, pmask, 1, [], [], [],
+                      response_ids=right_pad([r for _, r in pairs], self.tokenizer.pad_token_id, torch.long),
+                      response_mask=right_pad([[1.0] * len(r) for _, r in pairs], 0.0, torch.float32))
+        ids, attn, pos = batch.sequences()
+        denom = all_reduce_sum(float(batch.response_mask.sum()))
+
+        def loss(r: slice) -> torch.Tensor:
+            logits = response_logits(self.engine.model, ids[r], attn[r], pos[r], batch.response_ids.shape[1])
+            logp = algos.token_logprobs(logits, batch.response_ids[r].to(logits.device)).cpu()
+            return -(logp * batch.response_mask[r]).sum() / denom
+
+        chunks = micro_batches(ids.shape[0], ids.shape[1], self.cfg.actor.micro_batch_tokens_per_gpu)
+        out = self.engine.step(lambda: [lambda r=r: loss(r) for r in chunks])
+        return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"]}
+
+    # -- state -----------------------------------------------------------------------------
+    def save(self, directory: str) -> None:
+        """Write this rank's part of a checkpoint into `directory` (a temp dir the driver seals)."""
+        d = Path(directory)
+        if self.rank == 0:
+            state = {k: v.detach().cpu().contiguous() for k, v in self.engine.model.state_dict().items()}
+            save_file(_untie(state), d / "model.safetensors")
+            torch.save(self.engine.state_dict(), d / "trainer.pt")
+        rng = {"python": list(random.getstate()[1]), "torch": torch.get_rng_state(),
+               "kl": self.kl_ctl.value}
+        torch.save(rng, d / f"worker_{self.rank}.pt")
+
+    def load(self, directory: str) -> None:
+        d = Path(directory)
+        self.engine.model.load_state_dict(load_file(d / "model.safetensors"), strict=False)
+        self.engine.load_state_dict(torch.load(d / "trainer.pt", weights_only=True))
+        own = d / f"worker_{self.rank}.pt"
+        if own.exists():  # a checkpoint from fewer ranks has no RNG state for this one
+            rng = torch.load(own, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            random.setstate((3, tuple(rng["python"]), None))
+            self.kl_ctl.value = rng["kl"]
+
+    def export(self, directory: str) -> None:
+        """A HF directory (safetensors, config, tokenizer) that from_pretrained loads."""
+        if self.rank == 0:
+            self.engine.model.save_pretrained(directory)
+            self.tokenizer.save_pretrained(directory)
+
+
+def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses shared storage: give tied tensors (embeddings/lm_head) their own."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        out[k] = v.clone() if v.data_ptr() in seen else v
+        seen.add(v.data_ptr())
+    return out
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    """Per-step statistics of what was generated and how it scored."""
+    lengths = batch.response_mask.sum(1)
+    out = dict(batch.metrics)
+    out.update({
+        "critic/score/mean": float(batch.scores.mean()), "critic/score/max": float(batch.scores.max()),
+        "critic/score/min": float(batch.scores.min()),
+        "critic/advantages/mean": float(algos.masked_mean(batch.advantages, batch.response_mask)),
+        "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float(np.mean([f == "length" for f in batch.finish_reason])),
+        "prompt_length/mean": float(batch.prompt_mask.sum(1).float().mean()),
+        "perf/total_num_tokens": float(batch.prompt_mask.sum() + batch.response_mask.sum()),
+    })
+    return out
+
+
+def samples(batch: Batch, k: int) -> list[dict]:
+    return [{"prompt": batch.prompt_text[i], "response": batch.responses[i], "ground_truth": batch.ground_truth[i],
+             "score": float(batch.scores[i]), "finish_reason": batch.finish_reason[i]}
+            for i in range(0, len(batch), max(1, batch.group_size))][:k]

@@ -1,0 +1,30 @@
+"""The reference stage: the frozen initial policy, scoring responses for the KL term.
+
+Verb: `logprobs(batch) -> batch` filling `ref_logprobs` [N, R].
+"""
+
+from __future__ import annotations
+
+import time
+
+from transformers import AutoModelForCausalLM
+
+from engine.batch import Batch
+from engine.config import Config
+from engine.train import DTYPES, response_logprobs
+
+
+class Reference:
+    def __init__(self, cfg: Config, model_path: str, device: str = "cpu") -> None:
+        self.cfg = cfg
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[cfg.model.dtype]).to(device)
+        self.model.eval().requires_grad_(False)
+
+    def logprobs(self, batch: Batch) -> Batch:
+        start = time.perf_counter()
+        ids, mask, pos = batch.sequences()
+        batch.ref_logprobs, _ = response_logprobs(
+            self.model, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
+            self.cfg.actor.micro_batch_tokens_per_gpu)
+        batch.timing["ref"] = time.perf_counter() - start
+        return batch

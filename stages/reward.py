@@ -1,0 +1,28 @@
+"""The reward stage: rule functions scoring decoded responses against ground truth.
+
+Verb: `score(batch) -> batch` filling `scores` [N] and `reward/*` metrics. A failing user function
+scores 0 and is counted (`reward/errors`) unless `reward.on_error=raise`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.batch import Batch
+from engine.config import Config
+from engine.rewards import RewardFunction
+
+
+class Reward:
+    def __init__(self, cfg: Config) -> None:
+        self.fn = RewardFunction(cfg.reward.function, cfg.reward.on_error)
+
+    def score(self, batch: Batch) -> Batch:
+        start = time.perf_counter()
+        scores, metrics, _ = self.fn(batch.data_source, batch.responses, batch.ground_truth, batch.extra_info)
+        batch.scores = torch.tensor(scores, dtype=torch.float32)
+        batch.metrics.update(metrics)
+        batch.timing["reward"] = time.perf_counter() - start
+        return batch

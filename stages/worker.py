@@ -1,0 +1,41 @@
+"""A worker process that hosts one or more stages; roles placed in one pool share it.
+
+The pipeline makes this class a Ray actor (`ray.remote(...)(StageWorker)`) on a placement-group
+bundle and reaches every stage verb through `run(role, verb, *args)`, both when binding a
+compiled graph and when calling `.remote()` directly. Tests use it in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch
+
+
+class StageWorker:
+    def __init__(self, rank: int, world: int, threads: int) -> None:
+        self.rank, self.world = rank, world
+        torch.set_num_threads(threads)
+        self.stages: dict[str, Any] = {}
+
+    def add(self, role: str, cls: type, kwargs: dict[str, Any]) -> None:
+        self.stages[role] = cls(**kwargs)
+
+    def run(self, role: str, verb: str, *args: Any) -> Any:
+        return getattr(self.stages[role], verb)(*args)
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port, for rank 0 to host the process group."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def init_process_group(self, host: str, port: int) -> None:
+        """Join the data-parallel group (gloo on CPU, nccl on GPU) of this pool's ranks."""
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend, rank=self.rank, world_size=self.world)

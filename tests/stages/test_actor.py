@@ -1,0 +1,77 @@
+"""The stage verbs in-process, in the order the pipeline runs them."""
+
+import torch
+
+from engine.batch import RolloutRequest
+from engine.config import load_config
+from engine.data import load_prompts
+from stages.actor import ActorRollout
+from stages.reference import Reference
+from stages.reward import Reward
+
+
+LENGTH_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str) % 2)
+"""
+
+
+def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path):
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)  # a random policy scores 0 on arithmetic
+    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score","data.prompts_per_step=8", "actor.mini_batch_prompts=4", "rollout.samples_per_prompt=4",
+                             "actor.kl_loss_coef=0.01", "actor.lr=1e-2", "actor.micro_batch_tokens_per_gpu=64",
+                             "data.max_prompt_tokens=16"])
+    actor, ref, reward = ActorRollout(cfg, str(model_dir)), Reference(cfg, str(model_dir)), Reward(cfg)
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
+    before = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
+
+    batch = actor.generate(RolloutRequest(prompts[:8], step=0))
+    assert len(batch) == 32 and batch.group_size == 4
+    assert batch.prompt_text[0] == batch.prompt_text[3] != batch.prompt_text[4]
+    batch = reward.score(batch)
+    batch = ref.logprobs(batch)
+    batch = actor.logprobs(batch)
+    # same weights everywhere before the update: reference, trainer and rollout agree
+    torch.testing.assert_close(batch.ref_logprobs, batch.old_logprobs)
+    assert batch.metrics["training/rollout_probs_diff_max"] < 1e-4
+    batch = actor.advantages(batch)
+    assert torch.all(batch.advantages[batch.response_mask == 0] == 0)
+    out = actor.update(batch)
+
+    m = out["metrics"]
+    for key in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
+                "actor/kl_loss", "critic/score/mean", "response_length/mean", "prompt_length/mean"):
+        assert key in m and m[key] == m[key], key
+    assert set(out["timing"]) == {"gen", "reward", "ref", "old_log_prob", "adv", "update_actor"}
+    assert out["samples"][0]["prompt"].endswith("=")
+    changed = [k for k, v in actor.engine.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "the update must change the policy"
+
+    # a checkpoint round-trips the weights and optimizer into a fresh actor
+    (tmp_path / "ckpt").mkdir()
+    actor.save(str(tmp_path / "ckpt"))
+    fresh = ActorRollout(cfg, str(model_dir))
+    fresh.load(str(tmp_path / "ckpt"))
+    for k, v in actor.engine.model.state_dict().items():
+        assert torch.equal(v, fresh.engine.model.state_dict()[k]), k
+    assert fresh.engine.scheduler.state_dict() == actor.engine.scheduler.state_dict()
+
+
+def test_sft_update_lowers_the_loss(model_dir):
+    cfg = load_config(None, [])
+    actor = ActorRollout(cfg, str(model_dir))
+    tok = actor.tokenizer
+    pairs = [(tok.encode(f"{a}+{a}="), tok.encode(str(2 * a)) + [tok.eos_token_id]) for a in range(16)]
+    losses = [actor.sft_update(pairs)["sft/loss"] for _ in range(20)]
+    assert losses[-1] < losses[0] * 0.7
+
+
+def test_export_loads_with_transformers(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actor = ActorRollout(load_config(None, []), str(model_dir))
+    actor.export(str(tmp_path / "hf"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").decode([5, 6]) == actor.tokenizer.decode([5, 6])
+    for k, v in actor.engine.model.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
