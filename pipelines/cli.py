@@ -1,0 +1,146 @@
+"""The `rlflow` command line.
+
+    rlflow train [CONFIG.yaml] [key=value ...]   run a config (no arguments: the embedded default)
+    rlflow config [CONFIG.yaml] [key=value ...]  print the resolved config as YAML
+
+The driver owns the MLflow run (attaching to MLFLOW_RUN_ID when `mlflow run` set it, or to the
+run of the checkpoint it resumes), starts or joins Ray (RAY_ADDRESS joins a cluster, as under
+`ray job submit`), runs the optional warm-start, then the algorithm's pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from engine import checkpoint
+from engine.config import EMBEDDED, Config, ConfigError, load_config, to_dict
+from engine.tracking import Tracker
+
+
+def split_args(args: list[str]) -> list[str]:
+    """Drop empty arguments and split one argument holding several `k=v` (MLproject quotes
+    `-P overrides="a=1 b=2"` into one word); a lone `key=a b` stays whole."""
+    out = []
+    for arg in args:
+        words = shlex.split(arg) if arg.strip() else []
+        out += words if len(words) > 1 and all("=" in w for w in words) else [arg] * bool(words)
+    return out
+
+
+def parse(args: list[str]) -> Config:
+    args = split_args(args)
+    path = args[0] if args and "=" not in args[0] else None
+    return load_config(path, args[1:] if path else args)
+
+
+def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
+    """The model directory and data files, building the embedded ones on first use."""
+    from engine.data import embedded_files
+    from engine.task import build_model
+
+    root = Path(cfg.trainer.output_dir) / "embedded"
+    model = cfg.model.path
+    if model == EMBEDDED:
+        model = str(root / "model")
+        if not (root / "model" / "config.json").is_file():
+            build_model(root / "model", seed=cfg.trainer.seed)
+    built = embedded_files(root, cfg.trainer.seed) if EMBEDDED in cfg.data.train_files + cfg.data.val_files else {}
+    files = {split: [built[split] if f == EMBEDDED else f for f in getattr(cfg.data, f"{split}_files")]
+             for split in ("train", "val")}
+    return model, files
+
+
+def init_ray(cfg: Config) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(logging_level="WARNING")
+        return
+    p = cfg.placement
+    needed = p.workers * (1 + len(p.own_pool))
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
+             logging_level="WARNING")
+
+
+def resumed_run_id(cfg: Config) -> str | None:
+    """The MLflow run of the checkpoint `trainer.resume` will pick, so metrics continue there."""
+    try:
+        found = checkpoint.find_resume(Path(cfg.trainer.output_dir) / "checkpoints", cfg.trainer.resume)
+    except FileNotFoundError:
+        return None
+    return checkpoint.read_driver_state(found).get("run_id") if found else None
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except OSError:
+        return ""
+
+
+def train(cfg: Config) -> dict[str, str]:
+    from pipelines import grpo
+    from pipelines.sft import warm_start
+
+    Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+    # MLflow's HTTP client retries a dead server for minutes per call by default; the tracker
+    # buffers through outages instead, so fail fast.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    model_path, files = resolve_inputs(cfg)
+    previous = resumed_run_id(cfg)
+    if previous and "MLFLOW_RUN_ID" not in os.environ:
+        os.environ["MLFLOW_RUN_ID"] = previous
+    tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or None,
+                      tags={"algorithm": cfg.algorithm.name, "model": cfg.model.path, "git_commit": git_commit()})
+    status = "FAILED"
+    try:
+        tracker.log_params(to_dict(cfg))
+        tracker.log_dict(to_dict(cfg), "config.yaml")
+        init_ray(cfg)
+        if cfg.warmstart.steps:
+            model_path = warm_start(cfg, model_path, files["train"], tracker)
+        export = grpo.train(cfg, model_path, files, tracker)
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        tracker.finish(status)
+    summary = {"run_id": tracker.run_id, "tracking_uri": tracker.tracking_uri, "model": str(export)}
+    print(f"\nrlflow: run {tracker.run_id} finished; tracking URI {tracker.tracking_uri}; "
+          f"final model at {export}\n  view it: mlflow ui --backend-store-uri {tracker.tracking_uri}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlflow", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("train", "run a config"), ("config", "print the resolved config")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
+    ns = parser.parse_args(argv)
+    try:
+        cfg = parse(ns.args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"rlflow: config error: {e}", file=sys.stderr)
+        return 2
+    if ns.command == "config":
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return 0
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

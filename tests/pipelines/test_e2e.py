@@ -1,0 +1,129 @@
+"""End-to-end: the real CLI, a real local Ray cluster, a real sqlite MLflow store, a few real steps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+pytestmark = pytest.mark.slow
+NOISY = ("timing_s/", "perf/throughput", "system/")
+
+
+def env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db",
+            "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+
+
+# A user's own reward, loaded by path. Unlike arithmetic, a barely warmed-up policy scores on it
+# unevenly, so every group has a learning signal and the update must move the weights.
+LENGTH_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(len(solution_str) % 2)
+"""
+
+
+def rlflow(tmp_path: Path, out: str, *overrides: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    reward = tmp_path / "length_reward.py"
+    reward.write_text(LENGTH_REWARD)
+    cmd = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path / out}",
+           f"reward.function={reward}:compute_score", *overrides]
+    proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def history(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    keys = client.get_run(run_id).data.metrics
+    return {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in keys}
+
+
+def only_run(tmp_path: Path, experiment: str = "rlflow"):
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    return client, runs[0]
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compiled")
+    rlflow(tmp, "out")
+    return tmp
+
+
+def test_compiled_run_learns_logs_and_exports(compiled_run):
+    client, run = only_run(compiled_run)
+    assert run.info.status == "FINISHED"
+    metrics = history(client, run.info.run_id)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
+                "actor/kl_loss", "critic/score/mean", "response_length/mean", "prompt_length/mean",
+                "perf/throughput", "timing_s/gen", "timing_s/update_actor", "timing_s/ref",
+                "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max"):
+        assert [s for s, _ in metrics[key]] == [1, 2, 3], key
+    assert [s for s, _ in metrics["val/arith/greedy_score"]] == [0, 2, 3]
+    assert run.data.params["rollout.samples_per_prompt"] == "4"
+    top = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.yaml", "checkpoints", "hf_model", "samples"} <= top
+    tables = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert "samples/step_000003.json" in tables
+    # the policy moved away from the warm-start it began with
+    out = compiled_run / "out"
+    start, end = load_file(out / "warmstart" / "model.safetensors"), load_file(out / "hf_model" / "model.safetensors")
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+
+
+def test_plain_mode_gives_identical_metrics(compiled_run, tmp_path):
+    rlflow(tmp_path, "out", "trainer.dag=plain")
+    _, compiled = only_run(compiled_run)
+    client, plain = only_run(tmp_path)
+    a = {k: v for k, v in history(MlflowClient(f"sqlite:///{compiled_run}/mlflow.db"), compiled.info.run_id).items()
+         if not k.startswith(NOISY)}
+    b = {k: v for k, v in history(client, plain.info.run_id).items() if not k.startswith(NOISY)}
+    assert a == b
+
+
+def test_resume_after_sigkill_continues_at_the_saved_step(tmp_path):
+    args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
+            "trainer.total_steps=4", "trainer.save_every=2"]
+    proc = subprocess.Popen(args, env=env(tmp_path), cwd=tmp_path, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = tmp_path / "out" / "checkpoints" / "step_000002" / "COMPLETE"
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert marker.exists(), "no checkpoint appeared before the kill"
+    resumed = rlflow(tmp_path, "out", "trainer.total_steps=4", "trainer.save_every=2")
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    client, run = only_run(tmp_path)  # the resumed job logs into the run it interrupted
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")]
+    assert sorted(set(steps)) == [1, 2, 3, 4]
+    assert run.info.status == "FINISHED"
+
+
+def test_mlflow_run_makes_exactly_one_run(tmp_path):
+    overrides = (f"trainer.output_dir={tmp_path}/out data.prompts_per_step=8 data.val_max_prompts=16 "
+                 "actor.mini_batch_prompts=4 rollout.max_new_tokens=4 warmstart.steps=2 trainer.progress=false")
+    proc = subprocess.run([str(BIN / "mlflow"), "run", str(ROOT), "--env-manager", "local", "-P", "steps=3",
+                           "-P", "samples_per_prompt=4", "-P", f"overrides={overrides}"],
+                          env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.data.params["trainer.total_steps"] == "3"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2, 3]
+    assert {"config.yaml", "hf_model", "checkpoints"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
