@@ -7,8 +7,9 @@ column P-1+t predict response token t for every row alike.
 
 Invariants:
 - rows of one prompt are contiguous (`group_size` of them), which the group advantages rely on;
-- fields start as None and each stage fills its own: rollout -> response_*, rollout_logprobs;
-  reward -> scores; reference -> ref_logprobs; actor -> old_logprobs; advantages last;
+- fields start empty (0-element tensors, empty lists) and each stage fills its own:
+  rollout -> response_*, rollout_logprobs; reward -> scores; reference -> ref_logprobs;
+  actor -> old_logprobs, then advantages;
 - `timing` and `metrics` accumulate per-phase numbers on the way to the driver.
 """
 
@@ -19,6 +20,10 @@ from dataclasses import dataclass, field
 import torch
 
 
+def _empty() -> torch.Tensor:
+    return torch.empty(0)
+
+
 @dataclass
 class Batch:
     prompt_ids: torch.Tensor  # [N, P] int64, left-padded
@@ -27,16 +32,16 @@ class Batch:
     data_source: list[str]
     ground_truth: list[str]
     extra_info: list[dict | None]
-    response_ids: torch.Tensor | None = None  # [N, R] int64, right-padded
-    response_mask: torch.Tensor | None = None  # [N, R] float32, 1 on generated tokens (incl. eos)
-    rollout_logprobs: torch.Tensor | None = None  # [N, R] float32, from the rollout engine
+    response_ids: torch.Tensor = field(default_factory=_empty)  # [N, R] int64, right-padded
+    response_mask: torch.Tensor = field(default_factory=_empty)  # [N, R] float32, 1 on generated tokens (incl. eos)
+    rollout_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R] float32, from the rollout engine
     finish_reason: list[str] = field(default_factory=list)  # "stop" | "length"
     prompt_text: list[str] = field(default_factory=list)  # templated prompt, for sample tables
     responses: list[str] = field(default_factory=list)  # decoded, special tokens skipped
-    scores: torch.Tensor | None = None  # [N] float32
-    ref_logprobs: torch.Tensor | None = None  # [N, R]
-    old_logprobs: torch.Tensor | None = None  # [N, R]
-    advantages: torch.Tensor | None = None  # [N, R]
+    scores: torch.Tensor = field(default_factory=_empty)  # [N] float32
+    ref_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]
+    old_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]
+    advantages: torch.Tensor = field(default_factory=_empty)  # [N, R]
     timing: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -45,7 +50,6 @@ class Batch:
 
     def sequences(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids [N, P+R], attention_mask [N, P+R], position_ids [N, P+R]) for a forward."""
-        assert self.response_ids is not None and self.response_mask is not None
         ids = torch.cat([self.prompt_ids, self.response_ids], 1)
         mask = torch.cat([self.prompt_mask, self.response_mask.long()], 1)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
@@ -54,9 +58,9 @@ class Batch:
     def rows(self, index: torch.Tensor | slice) -> Batch:
         """A sub-batch of whole rows (tensors indexed on dim 0, lists picked alike)."""
         idx = torch.arange(len(self))[index]
-        picked = {}
+        picked: dict = {}
         for name, value in vars(self).items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.numel():
                 picked[name] = value[idx]
             elif isinstance(value, list) and len(value) == len(self):
                 picked[name] = [value[i] for i in idx.tolist()]

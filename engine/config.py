@@ -137,7 +137,7 @@ class ConfigError(ValueError):
     pass
 
 
-def all_keys(cls: type = Config, prefix: str = "") -> dict[str, Any]:
+def all_keys(cls: Any = Config, prefix: str = "") -> dict[str, Any]:
     """Every leaf key as {dotted.path: type}."""
     out: dict[str, Any] = {}
     for name, tp in typing.get_type_hints(cls).items():
@@ -294,7 +294,7 @@ def reference_markdown() -> str:
         comments = dict(re.findall(r"^\s+(\w+): [^#\n]*?(?:#\s*(.*))?$", inspect.getsource(cls), re.M))
         for f in dataclasses.fields(cls):
             tp = typing.get_type_hints(cls)[f.name]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
             name = getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is not list else str(tp)
             meaning = comments.get(f.name, "").replace("|", "\\|")
             rows.append(f"| `{section}.{f.name}` | {name} | `{default!r}` | {meaning} |")

@@ -29,8 +29,8 @@ class Pool:
             remove_placement_group(self.group)
             raise RuntimeError(f"pool '{name}': {size} bundles of {bundle} not available within "
                                f"{timeout_s:.0f}s; cluster has {ray.cluster_resources()}")
-        remote_cls = ray.remote(worker_cls)
-        self.workers = [
+        remote_cls: Any = ray.remote(worker_cls)
+        self.workers: list[Any] = [
             remote_cls.options(
                 num_cpus=1, num_gpus=gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=r),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -65,7 +65,7 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 class HFRollout:
     """transformers `generate` on a causal LM module, shared with the trainer when hybrid."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer) -> None:
+    def __init__(self, model: Any, tokenizer: Any) -> None:
         self.model = model
         self.tokenizer = tokenizer
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,8 @@ class TrainEngine:
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str) -> None:
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype]).to(self.device)
+        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
         self.grad_clip = grad_clip
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
@@ -101,7 +103,7 @@ class TrainEngine:
             for p in params:
                 dist.all_reduce(p.grad)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         if not (math.isfinite(grad_norm) and math.isfinite(total)):
             self.skipped_steps += 1
             self.optimizer.zero_grad(set_to_none=True)

@@ -11,6 +11,7 @@ run of the checkpoint it resumes), starts or joins Ray (RAY_ADDRESS joins a clus
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import subprocess
@@ -63,12 +64,12 @@ def init_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(logging_level="WARNING")
+        ray.init(logging_level=logging.WARNING)
         return
     p = cfg.placement
     needed = p.workers * (1 + len(p.own_pool))
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
-             logging_level="WARNING")
+             logging_level=logging.WARNING)
 
 
 def resumed_run_id(cfg: Config) -> str | None:

@@ -75,7 +75,7 @@ def step_graph(stages: Stages, requests: list[Any], call: Callable) -> list[Any]
     """The step's dataflow, one chain per rank; `call` binds (compiled DAG) or submits (plain)."""
     outputs = []
     for rank, request in enumerate(requests):
-        def at(role: str, verb: str, x: Any) -> Any:
+        def at(role: str, verb: str, x: Any, rank: int = rank) -> Any:
             return call(stages.worker(role, rank).run, role, verb, x)
         batch = at("actor", "generate", request)  # G samples per prompt, with rollout logprobs
         batch = at("reward", "score", batch)  # rule reward per response

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +32,7 @@ from engine.rollout import SamplingParams, build_rollout, left_pad
 from engine.train import TrainEngine, all_reduce_sum, micro_batches, response_logits, response_logprobs
 
 
-def right_pad(rows: list[list[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
     width = max(1, max(len(r) for r in rows))
     out = torch.full((len(rows), width), value, dtype=dtype)
     for i, r in enumerate(rows):
@@ -120,7 +122,7 @@ class ActorRollout:
         for _ in range(a.ppo_epochs):
             for lo in range(0, len(batch), rows):
                 mini = batch.rows(slice(lo, lo + rows))
-                out = self.engine.step(lambda mini=mini: self._micro_losses(mini, stats))
+                out = self.engine.step(partial(self._micro_losses, mini, stats))
                 for k in ("grad_norm", "lr"):
                     stats.setdefault(f"actor/{k}", []).append(out[k])
                 stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(out["loss"]))
@@ -137,7 +139,7 @@ class ActorRollout:
         seq_mode = a.loss_agg != "token-mean"
         denom = all_reduce_sum(float(len(mini)) if seq_mode else float(mask.sum()))
         ids, attn, pos = mini.sequences()
-        return [lambda r=r: self._loss(mini, r, ids, attn, pos, denom, stats)
+        return [partial(self._loss, mini, r, ids, attn, pos, denom, stats)
                 for r in micro_batches(ids.shape[0], ids.shape[1], a.micro_batch_tokens_per_gpu)]
 
     def _loss(self, mini: Batch, r: slice, ids, attn, pos, denom: float, stats) -> torch.Tensor:
@@ -145,19 +147,18 @@ class ActorRollout:
         logits = response_logits(self.engine.model, ids[r], attn[r], pos[r], mini.response_ids.shape[1])
         logits = logits / (self.cfg.rollout.temperature or 1.0)
         logp = algos.token_logprobs(logits, mini.response_ids[r].to(logits.device)).cpu()
-        agg = dict(mode=a.loss_agg, denom=denom, norm_len=self.cfg.rollout.max_new_tokens)
+        norm_len = self.cfg.rollout.max_new_tokens
         loss, m = algos.policy_loss(logp, mini.old_logprobs[r], mini.advantages[r], mask, a.clip_low,
-                                    a.clip_high, a.dual_clip or None, a.loss_agg, denom,
-                                    self.cfg.rollout.max_new_tokens)
+                                    a.clip_high, a.dual_clip or None, a.loss_agg, denom, norm_len)
         entropy = algos.entropy_from_logits(logits).cpu()
         stats.setdefault("actor/entropy", []).append(float(algos.masked_mean(entropy.detach(), mask)))
         if a.entropy_coef:
-            loss = loss - a.entropy_coef * algos.agg_loss(entropy, mask, **agg)
-        if mini.ref_logprobs is not None:
+            loss = loss - a.entropy_coef * algos.agg_loss(entropy, mask, a.loss_agg, denom, norm_len)
+        if mini.ref_logprobs.numel():  # a reference stage ran
             kl = algos.kl_penalty(logp, mini.ref_logprobs[r], a.kl_loss_type)
             stats.setdefault("actor/kl_loss", []).append(float(algos.masked_mean(kl.detach(), mask)))
             if a.kl_loss_coef:
-                loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, **agg)
+                loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, a.loss_agg, denom, norm_len)
         for k, v in m.items():
             stats.setdefault(f"actor/{k}", []).append(float(v))
         return loss
@@ -177,7 +178,7 @@ class ActorRollout:
             return -(logp * batch.response_mask[r]).sum() / denom
 
         chunks = micro_batches(ids.shape[0], ids.shape[1], self.cfg.actor.micro_batch_tokens_per_gpu)
-        out = self.engine.step(lambda: [lambda r=r: loss(r) for r in chunks])
+        out = self.engine.step(lambda: [partial(loss, r) for r in chunks])
         return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"]}
 
     # -- state -----------------------------------------------------------------------------

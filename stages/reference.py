@@ -6,6 +6,7 @@ Verb: `logprobs(batch) -> batch` filling `ref_logprobs` [N, R].
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from transformers import AutoModelForCausalLM
 
@@ -17,7 +18,8 @@ from engine.train import DTYPES, response_logprobs
 class Reference:
     def __init__(self, cfg: Config, model_path: str, device: str = "cpu") -> None:
         self.cfg = cfg
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[cfg.model.dtype]).to(device)
+        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[cfg.model.dtype])
+        self.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.eval().requires_grad_(False)
 
     def logprobs(self, batch: Batch) -> Batch:

@@ -127,3 +127,13 @@ def test_mlflow_run_makes_exactly_one_run(tmp_path):
     assert run.data.params["trainer.total_steps"] == "3"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2, 3]
     assert {"config.yaml", "hf_model", "checkpoints"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_two_data_parallel_workers_with_reward_on_its_own_pool(tmp_path):
+    rlflow(tmp_path, "out", "placement.workers=2", "placement.own_pool=[reward]", "trainer.total_steps=2",
+           "trainer.val_every=0")
+    client, run = only_run(tmp_path)
+    metrics = history(client, run.info.run_id)
+    assert [s for s, _ in metrics["actor/pg_loss"]] == [1, 2]
+    # ranks all-reduce their gradients, so both hold the same weights: one exported model
+    assert (tmp_path / "out" / "hf_model" / "model.safetensors").is_file()

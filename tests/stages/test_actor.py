@@ -9,7 +9,6 @@ from stages.actor import ActorRollout
 from stages.reference import Reference
 from stages.reward import Reward
 
-
 LENGTH_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     return float(len(solution_str) % 2)
@@ -18,7 +17,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path):
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)  # a random policy scores 0 on arithmetic
-    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score","data.prompts_per_step=8", "actor.mini_batch_prompts=4", "rollout.samples_per_prompt=4",
+    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score",
+                             "data.prompts_per_step=8", "actor.mini_batch_prompts=4", "rollout.samples_per_prompt=4",
                              "actor.kl_loss_coef=0.01", "actor.lr=1e-2", "actor.micro_batch_tokens_per_gpu=64",
                              "data.max_prompt_tokens=16"])
     actor, ref, reward = ActorRollout(cfg, str(model_dir)), Reference(cfg, str(model_dir)), Reward(cfg)
