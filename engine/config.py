@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
+EMBEDDED_WARMSTART_STEPS = 1800  # supervised steps that take the embedded model to roughly 20-40%
 
 
 @dataclass
@@ -59,7 +60,7 @@ class ActorConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
-    mini_batch_prompts: int = 64  # prompts per optimizer step
+    mini_batch_prompts: int = 16  # prompts per optimizer step
     micro_batch_tokens_per_gpu: int = 4096  # padded tokens per forward/backward
     ppo_epochs: int = 1
     clip_low: float = 0.2
@@ -91,9 +92,9 @@ class RewardConfig:
 
 @dataclass
 class WarmstartConfig:
-    steps: int = 0  # supervised steps on the train answers before RL; 0 skips
-    lr: float = 3e-3
-    batch_size: int = 64
+    steps: int = -1  # supervised steps on the train answers before RL; 0 skips; -1: 1800 for embedded, else 0
+    lr: float = 1e-3
+    batch_size: int = 32
 
 
 @dataclass
@@ -106,7 +107,7 @@ class PlacementConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 20
+    total_steps: int = 100
     save_every: int = 0  # 0 = only at the end
     keep_last: int = 2
     resume: str = "auto"  # auto | never | <checkpoint dir>
@@ -209,6 +210,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"override '{item}' is not key=value")
         if raw.strip():  # `key=` (empty) keeps the configured value, as MLproject defaults rely on
             _set(cfg, key.strip(), yaml.safe_load(raw))
+    if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained
+        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if cfg.model.path == EMBEDDED else 0
     validate(cfg)
     return cfg
 
@@ -280,8 +283,9 @@ def validate(cfg: Config) -> None:
                           "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
     if set(p.own_pool) - {"reward", "reference"}:
         raise ConfigError(f"placement.own_pool takes reward and/or reference, got {p.own_pool}")
-    if cfg.warmstart.steps < 0 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
-        raise ConfigError("warmstart.steps and trainer.save_every must be >= 0, trainer.keep_last >= 1")
+    if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
+        raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
+
 
 
 def reference_markdown() -> str:
