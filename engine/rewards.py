@@ -10,7 +10,11 @@ Invariants:
 - a failing batch logs one warning (its first failure), not one per sample;
 - a dict result must hold "score"; its other finite numeric keys come back per sample in ``extras``
   and as ``reward/<key>/mean`` over the samples that reported them;
-- an unknown data_source without ``reward.function`` is a config error and always raises.
+- an unknown data_source without ``reward.function`` is a config error and always raises;
+- a configured function call running past ``timeout_s`` is a failure like any other ("timed out
+  after Xs"), also counted in ``reward/timeouts``; the batch moves on without it (see ``_Worker``).
+  Built-in scorers are ours and bounded (python_exec has its own subprocess timeout), so they are
+  called directly.
 
 Run its tests with ``python -m pytest tests/engine/test_rewards.py -q``.
 """
@@ -22,18 +26,22 @@ import importlib
 import importlib.util
 import logging
 import math
+import queue
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from engine import task
+from engine.sandbox import run_python
 
 log = logging.getLogger("rlflow.reward")
 
 # An optional sign and dollar sign, digits with thousands commas, an optional decimal part.
 # A trailing "." is not part of the number, so "$5." reads as 5.
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+_PYTHON_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
 
 
 def load_function(spec: str) -> Callable:
@@ -99,8 +107,22 @@ def gsm8k_score(data_source: str, solution_str: str, ground_truth: str, extra_in
     return float(answer is not None and math.isclose(answer, truth, rel_tol=1e-9, abs_tol=1e-9))
 
 
+def python_exec_score(data_source: str, solution_str: str, ground_truth: str,
+                      extra_info: dict | None = None) -> float:
+    """1.0 when the response's code followed by ``ground_truth`` (test code, e.g. asserts) exits 0.
+
+    The code is the last ```python fenced block, or the whole response without one. It runs in a
+    sandboxed subprocess (engine/sandbox.py) for at most ``extra_info["timeout_s"]`` (default 5) s;
+    timeouts and crashes are the model's failures and score 0.0, not reward errors.
+    """
+    blocks = _PYTHON_BLOCK.findall(solution_str)
+    code = blocks[-1] if blocks else solution_str
+    timeout_s = float((extra_info or {}).get("timeout_s", 5.0))
+    return float(run_python(f"{code}\n\n{ground_truth}\n", timeout_s).returncode == 0)
+
+
 BUILTIN: dict[str, Callable] = {task.DATA_SOURCE: task.compute_score, "openai/gsm8k": gsm8k_score,
-                                 "gsm8k": gsm8k_score}
+                                 "gsm8k": gsm8k_score, "python_exec": python_exec_score}
 
 
 def _finite(value: Any, what: str) -> float:
@@ -126,18 +148,59 @@ def _unpack(result: Any) -> tuple[float, dict[str, float]]:
     return _finite(result["score"], "reward['score']"), extras
 
 
-class RewardFunction:
-    """Scores a batch with the configured function, or the built-in scorer per data_source."""
+class RewardTimeout(TimeoutError):
+    """A reward function call ran past its deadline; raised in the caller, the call itself goes on."""
 
-    def __init__(self, spec: str = "", on_error: str = "zero") -> None:
+
+class _Worker:
+    """One daemon thread running the calls handed to it; abandoned, still stuck, after a timeout.
+
+    Not signal.alarm: Ray may run us off the main thread. Not a ThreadPoolExecutor: it joins its
+    threads at exit, so a stuck call would hang shutdown; a daemon thread does not. Each worker
+    has its own outbox, so an abandoned call finishing late can never answer a later one. A stuck
+    CPU-bound call keeps competing for the GIL for the rest of the process.
+    """
+
+    def __init__(self) -> None:
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="rlflow-reward", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args = self._inbox.get()
+            try:
+                self._outbox.put((True, fn(*args)))
+            except BaseException as e:  # re-raised in the caller, as a direct call would
+                self._outbox.put((False, e))
+
+    def call(self, fn: Callable, args: tuple, timeout_s: float) -> Any:
+        self._inbox.put((fn, args))
+        try:
+            ok, value = self._outbox.get(timeout=timeout_s)
+        except queue.Empty:
+            raise RewardTimeout(f"timed out after {timeout_s:g}s") from None
+        if not ok:
+            raise value
+        return value
+
+
+class RewardFunction:
+    """Scores a batch with the configured function, or the built-in scorer per data_source.
+
+    One batch at a time: calls from several threads at once would share one worker.
+    """
+
+    def __init__(self, spec: str = "", on_error: str = "zero", timeout_s: float = 30.0) -> None:
         if on_error not in ("zero", "raise"):
             raise ValueError(f"on_error must be 'zero' or 'raise', got {on_error!r}")
-        self.spec, self.on_error = spec, on_error
+        self.spec, self.on_error, self.timeout_s = spec, on_error, timeout_s
         self._fn = load_function(spec) if spec else None
+        self._worker: _Worker | None = None  # started on first use, replaced after a timeout
 
     def __reduce__(self) -> tuple:
         # Rebuilt from the spec, so a Ray actor receiving it re-imports the function itself.
-        return (RewardFunction, (self.spec, self.on_error))
+        return (RewardFunction, (self.spec, self.on_error, self.timeout_s))
 
     def _scorer(self, data_source: str) -> Callable:
         if self._fn is not None:
@@ -148,28 +211,41 @@ class RewardFunction:
                              "or 'path/to/file.py:function'")
         return BUILTIN[data_source]
 
+    def _call(self, fn: Callable, args: tuple) -> Any:
+        if fn is not self._fn or self.timeout_s <= 0:  # built-ins cannot hang; <= 0 turns it off
+            return fn(*args)
+        if self._worker is None:
+            self._worker = _Worker()
+        try:
+            return self._worker.call(fn, args, self.timeout_s)
+        except RewardTimeout:
+            self._worker = None  # leave the stuck thread behind; the next call gets a fresh one
+            raise
+
     def __call__(self, data_sources: list[str], solutions: list[str], ground_truths: list[str],
                  extra_infos: list[dict | None]) -> tuple[list[float], dict[str, float], list[dict]]:
         """(scores [N], metrics, extras [N]) for N decoded responses."""
         if not len(data_sources) == len(solutions) == len(ground_truths) == len(extra_infos):
             raise ValueError("data_sources, solutions, ground_truths and extra_infos differ in length")
-        scores, extras, failures = [], [], []
+        scores, extras, failures, timeouts = [], [], [], 0
         for i, (src, sol, gt, info) in enumerate(zip(data_sources, solutions, ground_truths, extra_infos)):
             fn = self._scorer(src)
             try:
-                score, extra = _unpack(fn(src, sol, gt, info))
+                score, extra = _unpack(self._call(fn, (src, sol, gt, info)))
             except Exception as e:
                 failure = f"sample {i} (data_source={src!r}): {type(e).__name__}: {e}"
                 if self.on_error == "raise":
                     raise RuntimeError(f"reward function failed on {failure}") from e
                 failures.append(failure)
+                timeouts += isinstance(e, RewardTimeout)
                 score, extra = 0.0, {}
             scores.append(score)
             extras.append(extra)
         if failures:
             log.warning("reward failed on %d/%d samples (scored 0.0); first: %s",
                         len(failures), len(scores), failures[0])
-        return scores, {"reward/errors": float(len(failures)), **_extra_means(extras)}, extras
+        metrics = {"reward/errors": float(len(failures)), "reward/timeouts": float(timeouts)}
+        return scores, {**metrics, **_extra_means(extras)}, extras
 
 
 def _extra_means(extras: list[dict[str, float]]) -> dict[str, float]:

@@ -17,7 +17,7 @@ from engine.rewards import RewardFunction
 
 class Reward:
     def __init__(self, cfg: Config) -> None:
-        self.fn = RewardFunction(cfg.reward.function, cfg.reward.on_error)
+        self.fn = RewardFunction(cfg.reward.function, cfg.reward.on_error, cfg.reward.timeout_s)
 
     def score(self, batch: Batch) -> Batch:
         start = time.perf_counter()

@@ -6,11 +6,12 @@ import logging
 import math
 import pickle
 import textwrap
+import time
 
 import pytest
 
 from engine import task
-from engine.rewards import BUILTIN, RewardFunction, gsm8k_score, load_function
+from engine.rewards import BUILTIN, RewardFunction, gsm8k_score, load_function, python_exec_score
 
 
 @pytest.mark.parametrize("text, truth, method, expected", [
@@ -40,6 +41,7 @@ def test_gsm8k_rejects_unknown_method() -> None:
 def test_builtin_table() -> None:
     assert BUILTIN["arith"] is task.compute_score
     assert BUILTIN["gsm8k"] is BUILTIN["openai/gsm8k"] is gsm8k_score
+    assert BUILTIN["python_exec"] is python_exec_score
 
 
 SOURCE = """
@@ -125,7 +127,8 @@ def test_dict_results_give_extras_and_averaged_metrics(tmp_path) -> None:
     scores, metrics, extras = RewardFunction(spec)(*batch(["1", "0", "plain", "noscore"]))
     assert scores == [2.0, 2.0, 0.5, 0.0]
     assert extras == [{"acc": 1.0}, {"acc": 0.0}, {}, {}]
-    assert metrics == {"reward/errors": 1.0, "reward/acc/mean": 0.5}  # mean over the samples reporting it
+    assert metrics == {"reward/errors": 1.0, "reward/timeouts": 0.0,
+                       "reward/acc/mean": 0.5}  # mean over the samples reporting it
 
 
 def test_on_error_raise_names_the_sample(tmp_path) -> None:
@@ -142,7 +145,7 @@ def test_builtin_scorers_by_data_source() -> None:
     scores, metrics, _ = RewardFunction()(["arith", "arith", "gsm8k"], [" 12 ", "13", "#### 1,000"],
                                           ["12", "12", "1000"], [None, {"index": 1}, None])
     assert scores == [1.0, 0.0, 1.0]
-    assert metrics == {"reward/errors": 0.0}
+    assert metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0}
 
 
 def test_unknown_data_source_without_function_is_a_config_error() -> None:
@@ -156,6 +159,67 @@ def test_pickles_by_spec(tmp_path) -> None:
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             return 0.25
     """)
-    clone = pickle.loads(pickle.dumps(RewardFunction(spec, on_error="raise")))
-    assert clone.on_error == "raise"
+    clone = pickle.loads(pickle.dumps(RewardFunction(spec, "raise", 2.5)))
+    assert (clone.on_error, clone.timeout_s) == ("raise", 2.5)
     assert math.isclose(clone(*batch(["a"]))[0][0], 0.25)
+
+
+HANGS = """
+    import time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "hang":
+            time.sleep(60)
+        return 1.0
+"""
+
+
+def test_a_call_past_the_timeout_scores_zero_and_the_next_call_still_works(tmp_path, caplog) -> None:
+    fn = RewardFunction(write_reward(tmp_path, HANGS), timeout_s=0.5)
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="rlflow.reward"):
+        scores, metrics, _ = fn(*batch(["a", "hang", "b"]))
+    assert time.perf_counter() - start < 2.0
+    assert scores == [1.0, 0.0, 1.0]
+    assert metrics["reward/timeouts"] == metrics["reward/errors"] == 1
+    assert "sample 1" in caplog.text and "timed out after 0.5s" in caplog.text
+    assert fn(*batch(["c", "d"]))[0] == [1.0, 1.0]  # the stuck thread was replaced
+    with pytest.raises(RuntimeError, match="sample 0 .*timed out after 0.5s"):
+        RewardFunction(fn.spec, "raise", 0.5)(*batch(["hang"]))
+
+
+def test_fast_path_scores_a_large_batch_and_timeout_zero_calls_directly(tmp_path) -> None:
+    spec = write_reward(tmp_path, """
+        import threading
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return {"score": 1.0, "on_caller": float(threading.current_thread() is threading.main_thread())}
+    """)
+    scores, metrics, _ = RewardFunction(spec)(*batch(["x"] * 512))
+    assert scores == [1.0] * 512
+    assert metrics["reward/on_caller/mean"] == 0.0  # ran on the worker thread
+    assert RewardFunction(spec, timeout_s=0)(*batch(["x"]))[1]["reward/on_caller/mean"] == 1.0
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution:\n```python\n{textwrap.dedent(code)}```\nIt adds."
+
+
+@pytest.mark.parametrize("response, tests, expected", [
+    (fenced("def add(a, b):\n    return a + b\n"), "assert add(2, 3) == 5", 1.0),
+    (fenced("def add(a, b):\n    return a - b\n"), "assert add(2, 3) == 5", 0.0),
+    ("def add(a, b):\n    return a + b\n", "assert add(2, 3) == 5", 1.0),  # no fence: the whole text
+    (fenced("def add(a, b):\n    return 0\n") + fenced("def add(a, b):\n    return a + b\n"),
+     "assert add(2, 3) == 5", 1.0),  # the last block wins
+    (fenced("x = bytearray(4 * 1024**3)\n"), "", 0.0),  # over the 1 GiB address-space limit
+    (fenced("import os\n"), "assert os.environ.get('RLFLOW_SECRET') is None", 1.0),
+])
+def test_python_exec_score(response: str, tests: str, expected: float, monkeypatch) -> None:
+    monkeypatch.setenv("RLFLOW_SECRET", "hunter2")  # inherited by a plain subprocess, not by the sandbox
+    assert python_exec_score("python_exec", response, tests) == expected
+
+
+def test_python_exec_infinite_loop_scores_zero_within_its_timeout() -> None:
+    start = time.perf_counter()
+    assert python_exec_score("python_exec", fenced("while True:\n    pass\n"), "", {"timeout_s": 1}) == 0.0
+    assert time.perf_counter() - start < 3.0
