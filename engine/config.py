@@ -88,6 +88,7 @@ class AlgorithmConfig:
 class RewardConfig:
     function: str = ""  # "module:function" or "path/file.py:function"; "" = built-in by data_source
     on_error: str = "zero"  # zero (counted in reward/errors) | raise
+    timeout_s: float = 30.0  # per call; a call that runs longer scores 0 and counts as an error
 
 
 @dataclass
@@ -116,6 +117,8 @@ class TrainerConfig:
     val_every: int = 10
     samples_every: int = 10  # log a table of sample generations
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
+    max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
+    max_consecutive_skips: int = 5  # stop after this many non-finite optimizer steps in a row; 0 never
     experiment: str = "rlflow"
     run_name: str = ""
     progress: bool = True

@@ -89,6 +89,7 @@ class TrainEngine:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(warmup_steps, total_steps, schedule))
         self.skipped_steps = 0
+        self.consecutive_skips = 0  # reset by every finite step
 
     def step(self, losses: Callable[[], list[Callable[[], torch.Tensor]]]) -> dict[str, float]:
         """One optimizer step: backward every micro-batch loss, all-reduce, clip, update."""
@@ -106,11 +107,14 @@ class TrainEngine:
         lr = float(self.scheduler.get_last_lr()[0])
         if not (math.isfinite(grad_norm) and math.isfinite(total)):
             self.skipped_steps += 1
+            self.consecutive_skips += 1
             self.optimizer.zero_grad(set_to_none=True)
         else:
+            self.consecutive_skips = 0
             self.optimizer.step()
         self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr, "loss": total, "skipped_steps": self.skipped_steps}
+        return {"grad_norm": grad_norm, "lr": lr, "loss": total, "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips}
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

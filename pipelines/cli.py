@@ -68,8 +68,9 @@ def init_ray(cfg: Config) -> None:
         return
     p = cfg.placement
     needed = p.workers * (1 + len(p.own_pool))
+    # Bound to loopback: nothing rlflow starts listens on other interfaces unless a cluster is given.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
-             logging_level=logging.WARNING)
+             logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
 
 
 def resumed_run_id(cfg: Config) -> str | None:

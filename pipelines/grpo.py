@@ -141,6 +141,34 @@ def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: st
                              keep)
 
 
+# A stage's process died (OOM kill, node loss, segfault): rebuild the workers and continue.
+WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayChannelError)
+
+
+class Workers:
+    """Live stages restored to a checkpoint (or fresh), and the step runner over them."""
+
+    def __init__(self, cfg: Config, model_path: str, ckpt: Path | None, loader: PromptLoader) -> None:
+        self.stages = Stages(cfg, model_path)
+        self.start = 0
+        loader.load_state_dict({"epoch": 0, "position": 0, "seed": cfg.trainer.seed})
+        if ckpt:
+            ray.get([self.stages.worker("actor", r).run.remote("actor", "load", str(ckpt))
+                     for r in range(self.stages.workers)])
+            state = checkpoint.read_driver_state(ckpt)
+            loader.load_state_dict(state["loader"])
+            self.start = state["step"]
+            print(f"resumed from {ckpt} at step {self.start}")
+        self.run_step, self._release = make_runner(cfg, self.stages)
+
+    def close(self) -> None:
+        for stop in (self._release, self.stages.shutdown):
+            try:
+                stop()
+            except Exception as e:  # a dead worker may fail its own teardown; the rest must still go
+                print(f"rlflow: ignoring {type(e).__name__} while stopping workers: {e}")
+
+
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
     """The RL loop; returns the exported HF directory of the final policy."""
     t, out = cfg.trainer, Path(cfg.trainer.output_dir)
@@ -152,45 +180,60 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     val_prompts = val_prompts[:len(val_prompts) // cfg.placement.workers * cfg.placement.workers]
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(train_prompts, cfg.data.prompts_per_step, t.seed)
-    stages = Stages(cfg, model_path)
-    root, start = out / "checkpoints", 0
-    resume_from = checkpoint.find_resume(root, t.resume)
-    if resume_from:
-        ray.get([stages.worker("actor", r).run.remote("actor", "load", str(resume_from))
-                 for r in range(stages.workers)])
-        state = checkpoint.read_driver_state(resume_from)
-        loader.load_state_dict(state["loader"])
-        start = state["step"]
-        print(f"resumed from {resume_from} at step {start}")
-    run_step, release = make_runner(cfg, stages)
-    bar = progress(t.progress, start, t.total_steps)
+    root = out / "checkpoints"
+    last_ckpt = checkpoint.find_resume(root, t.resume)
+    live = Workers(cfg, model_path, last_ckpt, loader)
+    step, restarts = live.start, 0
+    bar = progress(t.progress, step, t.total_steps)
     try:
-        for step in range(start, t.total_steps):
-            if t.val_every and step % t.val_every == 0:
-                tracker.log_metrics(validate(stages, val_prompts, step), step=step)
-            begin = time.perf_counter()
-            requests = [RolloutRequest(s, step) for s in shards(loader.next_batch(), stages.workers)]
-            results = run_step(requests)
-            metrics = merge(results, time.perf_counter() - begin, stages.workers)
-            tracker.log_metrics(metrics, step=step + 1)
-            if t.samples_every and (step + 1) % t.samples_every == 0:
-                tracker.log_table([dict(s, step=step + 1) for r in results for s in r["samples"]],
-                                  f"samples/step_{step + 1:06d}.json")
-            if t.save_every and (step + 1) % t.save_every == 0 and step + 1 < t.total_steps:
-                save(stages, root, step + 1, loader, tracker.run_id, t.keep_last)
+        while step < t.total_steps:
+            try:
+                if t.val_every and step % t.val_every == 0:
+                    tracker.log_metrics(validate(live.stages, val_prompts, step), step=step)
+                begin = time.perf_counter()
+                requests = [RolloutRequest(s, step) for s in shards(loader.next_batch(), live.stages.workers)]
+                results = live.run_step(requests)
+            except WORKER_LOST as e:
+                if restarts >= t.max_restarts:
+                    raise
+                restarts += 1
+                print(f"rlflow: a worker died at step {step} ({type(e).__name__}); restart {restarts}/"
+                      f"{t.max_restarts} from {last_ckpt or 'the initial model'}")
+                tracker.log_metrics({"trainer/restarts": restarts}, step=step)
+                live.close()
+                live = Workers(cfg, model_path, last_ckpt, loader)
+                step = live.start
+                continue
+            metrics = merge(results, time.perf_counter() - begin, live.stages.workers)
+            check_health(metrics, t.max_consecutive_skips, last_ckpt)
+            step += 1
+            tracker.log_metrics(metrics, step=step)
+            if t.samples_every and step % t.samples_every == 0:
+                tracker.log_table([dict(s, step=step) for r in results for s in r["samples"]],
+                                  f"samples/step_{step:06d}.json")
+            if t.save_every and step % t.save_every == 0 and step < t.total_steps:
+                last_ckpt = save(live.stages, root, step, loader, tracker.run_id, t.keep_last)
             bar.update(metrics)
-        final = validate(stages, val_prompts, t.total_steps)
+        final = validate(live.stages, val_prompts, t.total_steps)
         tracker.log_metrics(final, step=t.total_steps)
         bar.close(final)
-        ckpt = save(stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
+        ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
         tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
         export = out / "hf_model"
-        ray.get(stages.worker("actor", 0).run.remote("actor", "export", str(export)))
+        ray.get(live.stages.worker("actor", 0).run.remote("actor", "export", str(export)))
         tracker.log_artifact(str(export), "hf_model")
         return export
     finally:
-        release()
-        stages.shutdown()
+        live.close()
+
+
+def check_health(metrics: dict[str, float], limit: int, last_ckpt: Path | None) -> None:
+    """Stop when the optimizer keeps refusing non-finite updates; the weights never took them."""
+    if limit and metrics["actor/consecutive_skipped_steps"] >= limit:
+        raise RuntimeError(
+            f"{int(metrics['actor/consecutive_skipped_steps'])} optimizer steps in a row had a non-finite loss "
+            f"or gradient (trainer.max_consecutive_skips={limit}); stopping. The last checkpoint is intact: "
+            f"{last_ckpt or 'none was written yet'}")
 
 
 class progress:

@@ -131,6 +131,7 @@ class ActorRollout:
         batch.timing["update_actor"] = time.perf_counter() - start
         metrics = {k: float(np.mean(v)) for k, v in stats.items()}
         metrics["actor/skipped_steps"] = self.engine.skipped_steps
+        metrics["actor/consecutive_skipped_steps"] = self.engine.consecutive_skips
         return {"metrics": {**batch_metrics(batch), **metrics}, "timing": batch.timing,
                 "samples": samples(batch, 4)}
 

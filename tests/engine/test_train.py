@@ -47,5 +47,5 @@ def test_non_finite_loss_skips_the_step(model_dir):
     before = [p.detach().clone() for p in engine.model.parameters()]
     nan = lambda: [lambda: engine.model.model.embed_tokens.weight.sum() * float("nan")]  # noqa: E731
     out = engine.step(nan)
-    assert out["skipped_steps"] == 1
+    assert out["skipped_steps"] == 1 and out["consecutive_skips"] == 1
     assert all(torch.equal(p, q) for p, q in zip(before, engine.model.parameters()))

@@ -122,6 +122,47 @@ def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path):
     assert got == want  # step for step, the same numbers as a run that was never killed
 
 
+def test_a_killed_worker_is_rebuilt_and_the_run_finishes(tmp_path):
+    import psutil
+
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
+            f"reward.function={tmp_path / 'length_reward.py'}:compute_score", "trainer.total_steps=5",
+            "trainer.save_every=2", "trainer.max_restarts=1"]
+    proc = subprocess.Popen(args, env=env(tmp_path), cwd=tmp_path, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        marker = tmp_path / "out" / "checkpoints" / "step_000002" / "COMPLETE"
+        deadline = time.time() + 300
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "StageWorker" in " ".join(p.cmdline())]
+        assert workers, "no stage worker process found"
+        for p in workers:
+            p.kill()
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    assert "restart 1/1 from" in output and "step_000002" in output
+    client, run = only_run(tmp_path)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
+    assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2, 3, 4, 5]
+    assert run.info.status == "FINISHED"
+
+
+def test_checkpoint_from_two_workers_resumes_on_one(tmp_path):
+    # two data-parallel ranks (gloo all-reduce) with the reward stage split into its own pool
+    rlflow(tmp_path, "out", "placement.workers=2", "placement.own_pool=[reward]", "trainer.total_steps=2",
+           "trainer.val_every=0")
+    resumed = rlflow(tmp_path, "out", "placement.workers=1", "trainer.total_steps=3", "trainer.val_every=0")
+    assert "at step 2" in resumed.stdout
+    client, run = only_run(tmp_path)
+    assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2, 3]
+
+
 def test_mlflow_run_makes_exactly_one_run(tmp_path):
     overrides = (f"trainer.output_dir={tmp_path}/out data.prompts_per_step=8 data.val_max_prompts=16 "
                  "actor.mini_batch_prompts=4 rollout.max_new_tokens=4 warmstart.steps=2 trainer.progress=false")
@@ -136,13 +177,3 @@ def test_mlflow_run_makes_exactly_one_run(tmp_path):
     assert run.data.params["trainer.total_steps"] == "3"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2, 3]
     assert {"config.yaml", "hf_model", "checkpoints"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
-
-
-def test_two_data_parallel_workers_with_reward_on_its_own_pool(tmp_path):
-    rlflow(tmp_path, "out", "placement.workers=2", "placement.own_pool=[reward]", "trainer.total_steps=2",
-           "trainer.val_every=0")
-    client, run = only_run(tmp_path)
-    metrics = history(client, run.info.run_id)
-    assert [s for s, _ in metrics["actor/pg_loss"]] == [1, 2]
-    # ranks all-reduce their gradients, so both hold the same weights: one exported model
-    assert (tmp_path / "out" / "hf_model" / "model.safetensors").is_file()
