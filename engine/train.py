@@ -47,7 +47,8 @@ def micro_batches(rows: int, width: int, budget: int) -> list[slice]:
 def all_reduce_sum(value: float) -> float:
     if not (dist.is_available() and dist.is_initialized()):
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # nccl reduces device tensors only
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item())
 
