@@ -119,6 +119,7 @@ def train(cfg: Config) -> dict[str, str]:
         raise
     finally:
         tracker.finish(status)
+    export = export.resolve()
     summary = {"run_id": tracker.run_id, "tracking_uri": tracker.tracking_uri, "model": str(export)}
     print(f"\nrlflow: run {tracker.run_id} finished; tracking URI {tracker.tracking_uri}; "
           f"final model at {export}\n  view it: mlflow ui --backend-store-uri {tracker.tracking_uri}")

@@ -200,6 +200,7 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
                 print(f"rlflow: a worker died at step {step} ({type(e).__name__}); restart {restarts}/"
                       f"{t.max_restarts} from {last_ckpt or 'the initial model'}")
                 tracker.log_metrics({"trainer/restarts": restarts}, step=step)
+                tracker.set_tags({f"restart.{restarts}": f"step {step}: {type(e).__name__}: {e}"[:500]})
                 live.close()
                 live = Workers(cfg, model_path, last_ckpt, loader)
                 step = live.start

@@ -149,6 +149,7 @@ def test_a_killed_worker_is_rebuilt_and_the_run_finishes(tmp_path):
     assert "restart 1/1 from" in output and "step_000002" in output
     client, run = only_run(tmp_path)
     assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
+    assert run.data.tags["restart.1"].startswith("step ")  # the event, with the error that caused it
     assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2, 3, 4, 5]
     assert run.info.status == "FINISHED"
 
