@@ -2,6 +2,7 @@
 
     rlflow train [CONFIG.yaml] [key=value ...]   run a config (no arguments: the embedded default)
     rlflow config [CONFIG.yaml] [key=value ...]  print the resolved config as YAML
+    rlflow export CHECKPOINT|OUTPUT_DIR DEST      write a checkpoint's policy as a HF directory
 
 The driver owns the MLflow run (attaching to MLFLOW_RUN_ID when `mlflow run` set it, or to the
 run of the checkpoint it resumes), starts or joins Ray (RAY_ADDRESS joins a cluster, as under
@@ -11,6 +12,7 @@ run of the checkpoint it resumes), starts or joins Ray (RAY_ADDRESS joins a clus
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import shlex
@@ -104,7 +106,8 @@ def train(cfg: Config) -> dict[str, str]:
     if previous and "MLFLOW_RUN_ID" not in os.environ:
         os.environ["MLFLOW_RUN_ID"] = previous
     tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or None,
-                      tags={"algorithm": cfg.algorithm.name, "model": cfg.model.path, "git_commit": git_commit()})
+                      tags={"algorithm": cfg.algorithm.name, "model": cfg.model.path, "git_commit": git_commit(),
+                            "dataset_hash": dataset_hash(files["train"])})
     status = "FAILED"
     try:
         tracker.log_params(to_dict(cfg))
@@ -126,13 +129,52 @@ def train(cfg: Config) -> dict[str, str]:
     return summary
 
 
+def export(source: str, dest: str) -> Path:
+    """A checkpoint (or the newest complete one under a run's output_dir) as a HF directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(source)
+    if not (path / "COMPLETE").is_file():
+        found = checkpoint.find_resume(path / "checkpoints", "auto")
+        if found is None:
+            raise FileNotFoundError(f"{source} is neither a complete checkpoint nor a run directory holding one")
+        path = found
+    reason = checkpoint.problem(path)
+    if reason:
+        raise FileNotFoundError(f"{path}: {reason}")
+    AutoModelForCausalLM.from_pretrained(path).save_pretrained(dest)
+    AutoTokenizer.from_pretrained(path).save_pretrained(dest)
+    print(f"rlflow: exported {path} to {dest}")
+    return path
+
+
+def dataset_hash(files: list[str]) -> str:
+    """A short content hash of the training files, so runs on the same data can be grouped."""
+    digest = hashlib.sha256()
+    for f in sorted(files):
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:12]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "run a config"), ("config", "print the resolved config")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
+    exp = sub.add_parser("export", help="write a checkpoint's policy as a HF directory")
+    exp.add_argument("source", help="a checkpoint directory, or a run's trainer.output_dir")
+    exp.add_argument("dest")
     ns = parser.parse_args(argv)
+    if ns.command == "export":
+        try:
+            export(ns.source, ns.dest)
+        except FileNotFoundError as e:
+            print(f"rlflow: {e}", file=sys.stderr)
+            return 2
+        return 0
     try:
         cfg = parse(ns.args)
     except (ConfigError, FileNotFoundError) as e:

@@ -188,7 +188,9 @@ class ActorRollout:
         d = Path(directory)
         if self.rank == 0:
             state = {k: v.detach().cpu().contiguous() for k, v in self.engine.model.state_dict().items()}
-            save_file(_untie(state), d / "model.safetensors")
+            save_file(_untie(state), d / "model.safetensors", metadata={"format": "pt"})
+            self.engine.model.config.save_pretrained(d)  # with the tokenizer: a loadable HF directory
+            self.tokenizer.save_pretrained(d)
             torch.save(self.engine.state_dict(), d / "trainer.pt")
         rng = {"python": list(random.getstate()[1]), "torch": torch.get_rng_state(),
                "kl": self.kl_ctl.value}

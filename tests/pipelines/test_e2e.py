@@ -83,6 +83,23 @@ def test_compiled_run_learns_logs_and_exports(compiled_run):
     assert any(not torch.equal(start[k], end[k]) for k in start)
 
 
+def test_export_turns_the_latest_checkpoint_into_a_hf_directory(compiled_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    proc = subprocess.run([str(BIN / "rlflow"), "export", str(compiled_run / "out"), str(tmp_path / "hf")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "step_000003" in proc.stdout
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    final = load_file(compiled_run / "out" / "hf_model" / "model.safetensors")
+    assert all(torch.equal(exported[k], v) for k, v in final.items())
+    _, run = only_run(compiled_run)
+    assert len(run.data.tags["dataset_hash"]) == 12
+    bad = subprocess.run([str(BIN / "rlflow"), "export", str(tmp_path / "nothing"), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "neither a complete checkpoint" in bad.stderr
+
+
 def test_plain_mode_gives_identical_metrics(compiled_run, tmp_path):
     rlflow(tmp_path, "out", "trainer.dag=plain")
     _, compiled = only_run(compiled_run)
