@@ -30,6 +30,7 @@ import queue
 import re
 import threading
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +122,78 @@ def python_exec_score(data_source: str, solution_str: str, ground_truth: str,
     return float(run_python(f"{code}\n\n{ground_truth}\n", timeout_s).returncode == 0)
 
 
+_BOXED = re.compile(r"\\boxed\s*\{")
+# Light answer normalisation: spacing and sizing commands, degree, percent and dollar signs carry no value.
+_MATH_DROP = re.compile(r"\\left(?![a-zA-Z])|\\right(?![a-zA-Z])|\\displaystyle|\\[!,;: $]|\^\{?\\circ\}?|\\?%|\s")
+_MATH_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+_NUM = r"\d+(?:\.\d+)?"
+_MATH_FRACTION = re.compile(rf"(-?)\\frac\{{({_NUM})\}}\{{({_NUM})\}}|(-?)({_NUM})/({_NUM})")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text``, nested braces balanced; None without one.
+
+    Escaped braces (``\\{``) do not count towards nesting. An unclosed last box gives None.
+    """
+    found = list(_BOXED.finditer(text))
+    if not found:
+        return None
+    begin, depth = found[-1].end(), 0
+    for i in range(begin, len(text)):
+        if text[i] not in "{}" or text[i - 1] == "\\":
+            continue
+        if text[i] == "}" and depth == 0:
+            return text[begin:i]
+        depth += 1 if text[i] == "{" else -1
+    return None
+
+
+def _normalise_math(answer: str) -> str:
+    text = _MATH_TEXT.sub(r"\1", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = _MATH_DROP.sub("", text).strip("$").rstrip(".").strip("$")
+    text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)  # \frac12 shorthand
+    return re.sub(r"^[a-zA-Z]=", "", text)  # "x=5" answers 5
+
+
+def _math_number(text: str) -> Fraction | None:
+    """Exact value of an integer, decimal, "a/b" or "\\frac{a}{b}" (optionally negative), else None."""
+    match = _MATH_FRACTION.fullmatch(text)
+    try:
+        if match:
+            sign, top, bottom = match[1] or match[4], match[2] or match[5], match[3] or match[6]
+            value = Fraction(top) / Fraction(bottom)
+            return -value if sign else value
+        return Fraction(text.replace(",", "") if _THOUSANDS.fullmatch(text) else text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """1.0 when the last ``\\boxed{}`` of the response matches ``ground_truth``, else 0.0.
+
+    Both sides are lightly normalised (spaces, surrounding $, \\left/\\right, trailing ".",
+    \\dfrac/\\tfrac, a leading "x=") and compared as strings, then as exact numbers when both parse
+    (integers, decimals, "a/b", "\\frac{a}{b}"). A response without a box scores 0.0. A ground truth
+    that is a full solution (contains a box) is reduced to its last box.
+    """
+    boxed = last_boxed(solution_str)
+    if boxed is None:
+        return 0.0
+    truth_box = last_boxed(ground_truth)
+    truth = _normalise_math(ground_truth if truth_box is None else truth_box)
+    if not truth:
+        raise ValueError(f"math ground truth {ground_truth!r} holds no answer")
+    answer = _normalise_math(boxed)
+    if answer == truth:
+        return 1.0
+    answer_value, truth_value = _math_number(answer), _math_number(truth)
+    return float(answer_value is not None and answer_value == truth_value)
+
+
 BUILTIN: dict[str, Callable] = {task.DATA_SOURCE: task.compute_score, "openai/gsm8k": gsm8k_score,
-                                 "gsm8k": gsm8k_score, "python_exec": python_exec_score}
+                                 "gsm8k": gsm8k_score, "python_exec": python_exec_score,
+                                 "math": math_score, "lighteval/MATH": math_score}
 
 
 def _finite(value: Any, what: str) -> float:

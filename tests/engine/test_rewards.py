@@ -11,7 +11,15 @@ import time
 import pytest
 
 from engine import task
-from engine.rewards import BUILTIN, RewardFunction, gsm8k_score, load_function, python_exec_score
+from engine.rewards import (
+    BUILTIN,
+    RewardFunction,
+    gsm8k_score,
+    last_boxed,
+    load_function,
+    math_score,
+    python_exec_score,
+)
 
 
 @pytest.mark.parametrize("text, truth, method, expected", [
@@ -223,3 +231,46 @@ def test_python_exec_infinite_loop_scores_zero_within_its_timeout() -> None:
     start = time.perf_counter()
     assert python_exec_score("python_exec", fenced("while True:\n    pass\n"), "", {"timeout_s": 1}) == 0.0
     assert time.perf_counter() - start < 3.0
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so $\\boxed{\\frac{1}{2}}$.", "\\frac{1}{2}"),  # nested braces
+    ("\\boxed{1} then \\boxed{2}", "2"),  # the last box wins
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces do not nest
+    ("\\boxed {x^{2}}", "x^{2}"),
+    ("\\boxed{3} and \\boxed{\\frac{1}{2}", None),  # the last box is unclosed
+    ("the answer is 4", None),
+])
+def test_last_boxed(text: str, expected: str | None) -> None:
+    assert last_boxed(text) == expected
+
+
+@pytest.mark.parametrize("response, truth, expected", [
+    ("So \\boxed{\\dfrac{1}{2}}.", "\\frac{1}{2}", 1.0),
+    ("\\boxed{0.5}", "\\frac12", 1.0),  # numerically equal, \frac12 shorthand
+    ("\\boxed{3/4}", "\\tfrac{3}{4}", 1.0),
+    ("\\boxed{-\\frac{3}{4}}", "-0.75", 1.0),
+    ("\\boxed{x = 5.}", "5", 1.0),
+    ("\\boxed{\\$1,000}", "1000", 1.0),
+    ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
+    ("\\boxed{90^\\circ}", "90", 1.0),
+    ("\\boxed{\\text{(B)}}", "(B)", 1.0),
+    ("\\boxed{18.0}", "$18$", 1.0),
+    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
+    ("\\boxed{2}", "\\frac{1}{2}", 0.0),
+    ("\\boxed{1,2}", "12", 0.0),  # a list, not a thousands comma
+    ("\\boxed{\\rightarrow}", "arrow", 0.0),  # only \left and \right themselves are dropped
+    ("the answer is 5", "5", 0.0),  # no box
+    ("\\boxed{5}", "Thus the answer is $\\boxed{5}$.", 1.0),  # a full solution as ground truth
+])
+def test_math_score(response: str, truth: str, expected: float) -> None:
+    assert math_score("math", response, truth) == expected
+
+
+def test_math_score_rejects_an_empty_ground_truth_and_is_builtin() -> None:
+    with pytest.raises(ValueError, match="no answer"):
+        math_score("math", "\\boxed{1}", " $ $ ")
+    assert BUILTIN["math"] is BUILTIN["lighteval/MATH"] is math_score
+    scores, metrics, _ = RewardFunction()(["math", "lighteval/MATH"], ["\\boxed{\\frac{2}{4}}", "\\boxed{7}"],
+                                          ["\\frac{1}{2}", "8"], [None, None])
+    assert scores == [1.0, 0.0] and metrics["reward/errors"] == 0
