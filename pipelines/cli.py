@@ -3,6 +3,7 @@
     rlflow train [CONFIG.yaml] [key=value ...]   run a config (no arguments: the embedded default)
     rlflow config [CONFIG.yaml] [key=value ...]  print the resolved config as YAML
     rlflow export CHECKPOINT|OUTPUT_DIR DEST      write a checkpoint's policy as a HF directory
+    rlflow data {gsm8k,math} SRC DST              convert GSM8K/MATH-style rows to rlflow rows
 
 The driver owns the MLflow run (attaching to MLFLOW_RUN_ID when `mlflow run` set it, or to the
 run of the checkpoint it resumes), starts or joins Ray (RAY_ADDRESS joins a cluster, as under
@@ -167,7 +168,25 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="write a checkpoint's policy as a HF directory")
     exp.add_argument("source", help="a checkpoint directory, or a run's trainer.output_dir")
     exp.add_argument("dest")
+    data = sub.add_parser("data", help="convert GSM8K/MATH-style jsonl/parquet into rlflow rows")
+    data.add_argument("format", choices=["gsm8k", "math"])
+    data.add_argument("src")
+    data.add_argument("dst", help=".parquet or .jsonl")
+    data.add_argument("--data-source", default=None)
+    data.add_argument("--instruction", default=None, help="appended to each question")
+    data.add_argument("--split", default="train")
     ns = parser.parse_args(argv)
+    if ns.command == "data":
+        from engine.convert import convert
+
+        try:
+            counts = convert(ns.src, ns.dst, ns.format, ns.data_source, ns.instruction, ns.split)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"rlflow: {e}", file=sys.stderr)
+            return 2
+        print(f"rlflow: wrote {counts['written']} of {counts['rows']} rows to {ns.dst}; "
+              + ", ".join(f"{k}={v}" for k, v in counts.items() if k.startswith("skipped")))
+        return 0
     if ns.command == "export":
         try:
             export(ns.source, ns.dest)
