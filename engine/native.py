@@ -1,0 +1,179 @@
+"""The native rollout engine: our compact model (engine/native_model.py) behind `RolloutEngine`.
+
+Continuous batching over a fixed-slot KV cache. `generate` queues (prompt, sample) requests;
+each engine step either prefills newly admitted requests (when slots are free) or decodes one
+token for every running sequence, then samples on the model's device and retires finished
+sequences, whose slots go to waiting requests.
+
+Invariants (those of engine/rollout.py, plus):
+- at most `max_slots` sequences run at once; prompt + max_new_tokens must fit in `max_len`;
+- a call's randomness comes only from a torch.Generator seeded with `params.seed`, and the step
+  schedule is deterministic, so the same seed gives the same samples;
+- `release_memory` drops the KV cache tensors; `generate` refuses to run until `resume_memory`.
+
+Run: the tests in tests/engine/test_native.py (CPU, fp32, the tiny embedded model).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.native_model import KVCache, NativeCausalLM, head_dim
+from engine.rollout import Completion, SamplingParams
+
+
+@dataclass
+class _Seq:
+    prompt: list[int]
+    index: int  # position in the flat output: prompt_i * n + sample_j
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str = ""  # "" while running, then "stop" | "length"
+
+    @property
+    def cached(self) -> int:
+        """Tokens whose K/V are in the slot: the prompt and all but the last sampled token."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask to -inf what top-k / top-p exclude from sampling; logits [B, V] already tempered."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, order = logits.sort(-1, descending=True)
+        probs = ordered.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keeps the smallest prefix reaching top_p (≥ 1 token)
+        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) from float32 logits [B, V]; logprobs over the full vocabulary."""
+    scaled = logits / (params.temperature or 1.0)
+    logp = torch.log_softmax(scaled, -1)
+    if params.temperature == 0:
+        tokens = logits.argmax(-1)
+    else:
+        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class NativeRollout:
+    """Continuous-batching generation with our own model; implements `RolloutEngine`."""
+
+    def __init__(self, model_or_path: NativeCausalLM | str | Path, tokenizer: Any, max_slots: int = 256,
+                 max_len: int = 2048, max_prefill_tokens: int = 8192, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        if isinstance(model_or_path, (str, Path)):
+            model_or_path = NativeCausalLM.from_pretrained(model_or_path, dtype, device or "cpu")
+        self.model = model_or_path.eval()
+        self.tokenizer = tokenizer
+        self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
+        weight = self.model.model.embed_tokens.weight
+        self.device = weight.device
+        cfg = self.model.config
+        self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, cfg.num_key_value_heads, head_dim(cfg),
+                             weight.dtype, self.device)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        self._check(prompts, params)
+        stops = {self.tokenizer.eos_token_id, *params.stop_token_ids}
+        generator = torch.Generator(self.device).manual_seed(params.seed)
+        waiting = deque(_Seq(p, i * params.n + j) for i, p in enumerate(prompts) for j in range(params.n))
+        done: list[Completion | None] = [None] * len(waiting)
+        free = list(range(self.max_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        running: list[_Seq] = []
+        with torch.inference_mode():
+            while waiting or running:
+                # schedule: admit what fits, else decode everyone; run; sample; retire
+                admitted = self._admit(waiting, free)
+                logits = self._prefill(admitted) if admitted else self._decode(running)
+                stepped = admitted or running
+                running = running + admitted
+                tokens, logprobs = sample(logits, params, generator)
+                for seq, tok, lp in zip(stepped, tokens.tolist(), logprobs.tolist()):
+                    seq.tokens.append(tok)
+                    seq.logprobs.append(lp)
+                    seq.finish = self._finish(seq, stops, params)
+                    if seq.finish:
+                        free.append(seq.slot)
+                        done[seq.index] = Completion(seq.tokens, seq.logprobs, seq.finish)
+                running = [s for s in running if not s.finish]
+        flat = [c for c in done if c is not None]
+        return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
+
+    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if self.cache.k is None:
+            raise RuntimeError("KV cache released: call resume_memory() before generate()")
+        longest = max((len(p) for p in prompts), default=0)
+        if longest + params.max_new_tokens > self.max_len:
+            raise ValueError(f"prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) > max_len "
+                             f"({self.max_len})")
+        if any(not p for p in prompts):
+            raise ValueError("empty prompt")
+
+    def _admit(self, waiting: deque[_Seq], free: list[int]) -> list[_Seq]:
+        """Move waiting requests into free slots, within the padded prefill-token budget."""
+        batch: list[_Seq] = []
+        width = 0
+        while waiting and free:
+            width = max(width, len(waiting[0].prompt))
+            if batch and (len(batch) + 1) * width > self.max_prefill_tokens:
+                break
+            seq = waiting.popleft()
+            seq.slot = free.pop()
+            batch.append(seq)
+        return batch
+
+    def _prefill(self, batch: list[_Seq]) -> torch.Tensor:
+        """Write prompts into their slots; logits [B, V] at each prompt's last token."""
+        lens = [len(s.prompt) for s in batch]
+        ids = torch.zeros(len(batch), max(lens), dtype=torch.long)  # right-padded; pads never attended
+        for i, s in enumerate(batch):
+            ids[i, :lens[i]] = torch.tensor(s.prompt)
+        ids = ids.to(self.device)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        slots = torch.tensor([s.slot for s in batch], device=self.device)
+        hidden = self.model(ids, positions, self.cache, slots)  # [B, S, H]
+        last = torch.tensor(lens, device=self.device) - 1
+        return self.model.logits(hidden[torch.arange(len(batch), device=self.device), last])
+
+    def _decode(self, batch: list[_Seq]) -> torch.Tensor:
+        """Feed each sequence's last token; logits [B, V] for the next one."""
+        ids = torch.tensor([[s.tokens[-1]] for s in batch], device=self.device)  # [B, 1]
+        kv_lens = torch.tensor([s.cached for s in batch], device=self.device)  # [B]
+        slots = torch.tensor([s.slot for s in batch], device=self.device)
+        width = max(s.cached for s in batch) + 1
+        hidden = self.model(ids, kv_lens[:, None], self.cache, slots, kv_lens, width)
+        return self.model.logits(hidden[:, 0])
+
+    def _finish(self, seq: _Seq, stops: set[int], params: SamplingParams) -> str:
+        if seq.tokens[-1] in stops:
+            return "stop"
+        if params.stop_strings:
+            text = self.tokenizer.decode(seq.tokens)
+            if any(text.endswith(s) for s in params.stop_strings):
+                return "stop"
+        return "length" if len(seq.tokens) >= params.max_new_tokens else ""
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_weights(named_tensors)
+
+    def release_memory(self) -> None:
+        self.cache.free()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        self.cache.allocate()

@@ -1,0 +1,153 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.native import NativeRollout, filter_logits
+from engine.native_model import NativeCausalLM
+from engine.rollout import HFRollout, SamplingParams, left_pad
+from engine.train import response_logprobs
+
+TEXTS = ["1+1=", "12+7=", "3+4=", "99+99=", "5+", "0+0=", "42+58=", "7"]
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def native_logits(model: NativeCausalLM, ids: list[int]) -> torch.Tensor:
+    t = torch.tensor([ids])
+    with torch.no_grad():
+        return model.logits(model(t, torch.arange(len(ids))[None]))[0]
+
+
+def test_logits_match_transformers(model_dir, hf, tok):
+    model = NativeCausalLM.from_pretrained(model_dir)
+    for text in ["1", "12+7=", "a longer prompt, 123+456=579"]:
+        ids = tok.encode(text)
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(native_logits(model, ids), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_matches_hf_with_continuous_batching(model_dir, hf, tok):
+    prompts = [tok.encode(t) for t in TEXTS[:7]]
+    # these stop tokens end some rows early, so freed slots are refilled while others still decode
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[17, 62, 73])
+    engine = NativeRollout(model_dir, tok, max_slots=3, max_len=64)  # 7 prompts through 3 slots
+    got = engine.generate(prompts, params)
+    assert len({len(g[0].token_ids) for g in got}) > 2 and any(g[0].finish_reason == "stop" for g in got)
+    ref = HFRollout(hf, tok)
+    for p, group in zip(prompts, got):
+        want = ref.generate([p], params)[0][0]  # one at a time: no padding on the reference side
+        assert group[0].token_ids == want.token_ids
+        assert group[0].finish_reason == want.finish_reason
+        torch.testing.assert_close(torch.tensor(group[0].logprobs), torch.tensor(want.logprobs), atol=1e-4, rtol=0)
+
+
+def test_sampling_is_seeded_and_logprobs_match_training(model_dir, hf, tok):
+    engine = NativeRollout(model_dir, tok, max_slots=4, max_len=64)
+    prompts = [tok.encode(t) for t in TEXTS[:3]]
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, n=3, max_new_tokens=8, seed=5)
+    groups = engine.generate(prompts, params)
+    assert [len(g) for g in groups] == [3, 3, 3]
+    flat = [c for g in groups for c in g]
+    assert [c.token_ids for c in flat] == [c.token_ids for g in engine.generate(prompts, params) for c in g]
+    other = engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": 6}))
+    assert [c.token_ids for c in flat] != [c.token_ids for g in other for c in g]
+    pids, pmask = left_pad([p for p in prompts for _ in range(3)], tok.pad_token_id)
+    width = max(len(c.token_ids) for c in flat)
+    rids = torch.tensor([c.token_ids + [tok.pad_token_id] * (width - len(c.token_ids)) for c in flat])
+    rmask = torch.tensor([[1] * len(c.token_ids) + [0] * (width - len(c.token_ids)) for c in flat])
+    mask = torch.cat([pmask, rmask], 1)
+    logp, _ = response_logprobs(hf, torch.cat([pids, rids], 1), mask, (mask.cumsum(1) - 1).clamp(min=0),
+                                rids, 0.7, 4096)
+    for i, c in enumerate(flat):
+        assert len(c.token_ids) == len(c.logprobs) <= 8
+        torch.testing.assert_close(logp[i, :len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+
+
+def test_filter_logits_keeps_top_k_and_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(filter_logits(logits, 0, 0.8)).tolist() == [[True, True, False, False]]
+    assert torch.isfinite(filter_logits(logits, 0, 0.1)).tolist() == [[True, False, False, False]]
+
+
+def test_load_from_live_module_and_release_resume(model_dir, hf, tok):
+    fresh = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32)  # different random weights
+    model = NativeCausalLM.from_pretrained(model_dir)
+    engine = NativeRollout(model, tok, max_slots=2, max_len=32)
+    ids = tok.encode("12+7=")
+    engine.load_weights(fresh.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(native_logits(model, ids), fresh(input_ids=torch.tensor([ids])).logits[0],
+                                   atol=1e-4, rtol=1e-4)
+    engine.load_weights(hf.named_parameters())
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(3, 3))])
+    torch.testing.assert_close(native_logits(model, ids), native_logits(NativeCausalLM.from_pretrained(model_dir), ids))
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    before = engine.generate([ids], params)[0][0].token_ids
+    engine.release_memory()
+    assert engine.cache.k is None
+    with pytest.raises(RuntimeError):
+        engine.generate([ids], params)
+    engine.resume_memory()
+    assert engine.generate([ids], params)[0][0].token_ids == before
+
+
+def test_stop_tokens_strings_and_finish_reasons(model_dir, tok):
+    engine = NativeRollout(model_dir, tok, max_slots=2, max_len=32)
+    prompt = tok.encode("1+1=")
+    free = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=6))[0][0]
+    eos = tok.eos_token_id
+    if eos in free.token_ids:
+        assert free.finish_reason == "stop" and free.token_ids[-1] == eos
+    else:
+        assert free.finish_reason == "length" and len(free.token_ids) == 6
+    stop_tok = free.token_ids[1]
+    cut = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[stop_tok]))[0][0]
+    first = free.token_ids.index(stop_tok)
+    assert cut.token_ids == free.token_ids[:first + 1] and cut.finish_reason == "stop"
+    text = tok.decode(free.token_ids[:2])
+    cut = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=6, stop_strings=[text]))[0][0]
+    assert tok.decode(cut.token_ids).endswith(text) and cut.finish_reason == "stop"
+    assert len(cut.token_ids) <= 2
+    with pytest.raises(ValueError):
+        engine.generate([prompt], SamplingParams(max_new_tokens=40))
+
+
+def test_qwen3_and_llama_configs_match_transformers(tmp_path, tok):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    configs = [Qwen3Config(head_dim=32, tie_word_embeddings=True, **common),
+               LlamaConfig(attention_bias=True, tie_word_embeddings=False, **common)]
+    for i, cfg in enumerate(configs):
+        torch.manual_seed(i)
+        ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for p in ref.parameters():  # biases and norms start at constants; make them matter
+                p.add_(torch.randn_like(p) * 0.02)
+        ref.save_pretrained(tmp_path / cfg.model_type)
+        model = NativeCausalLM.from_pretrained(tmp_path / cfg.model_type)
+        ids = tok.encode("99+1=100")
+        with torch.no_grad():
+            want = ref(input_ids=torch.tensor([ids])).logits[0]
+        torch.testing.assert_close(native_logits(model, ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_rope_scaling_is_refused(tok):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, rope_scaling={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+    with pytest.raises(NotImplementedError, match="yarn"):
+        NativeCausalLM(cfg)
