@@ -2,7 +2,9 @@
 
 One interface (`RolloutEngine`), backends picked by `rollout.backend`:
 - `hf`: transformers' `generate` over the training module itself (hybrid, zero-copy on one
-  device); a slow reference that works for any architecture.
+  device); a slow reference that works for any architecture;
+- `native` (engine/native.py): our own Qwen2/Qwen3/Llama model with a slot KV cache and
+  continuous batching, holding a copy of the trainer's weights refreshed by `load_weights`.
 
 Invariants:
 - `generate` returns, per prompt, `n` completions in order, so a prompt's samples are contiguous;
@@ -115,7 +117,8 @@ class HFRollout:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in named_tensors:
-                params[name].copy_(tensor)
+                if params[name] is not tensor:  # the trainer's own module needs no copy
+                    params[name].copy_(tensor)
 
     def release_memory(self) -> None:
         """Nothing to release: `generate` allocates its cache per call."""
@@ -124,7 +127,13 @@ class HFRollout:
         """Nothing to take back: see release_memory."""
 
 
-def build_rollout(backend: str, model: torch.nn.Module, tokenizer) -> RolloutEngine:
+def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, max_len: int) -> RolloutEngine:
+    """A rollout engine over the trainer's `model`: shared (hf) or a native copy kept in sync."""
     if backend == "hf":
         return HFRollout(model, tokenizer)
+    if backend == "native":
+        from engine.native import NativeRollout
+        from engine.native_model import NativeCausalLM
+
+        return NativeRollout(NativeCausalLM.from_module(model), tokenizer, max_len=max_len)
     raise ValueError(f"unknown rollout.backend '{backend}'")

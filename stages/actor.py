@@ -50,12 +50,17 @@ class ActorRollout:
                                   cfg.trainer.total_steps * a.ppo_epochs * (cfg.data.prompts_per_step //
                                                                             a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device)
-        self.rollout = build_rollout(cfg.rollout.backend, self.engine.model, self.tokenizer)
+        self.rollout = build_rollout(cfg.rollout.backend, self.engine.model, self.tokenizer,
+                                     cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
         alg = cfg.algorithm
         self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
                        if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))
 
     # -- rollout ---------------------------------------------------------------------------
+    def sync_rollout(self) -> None:
+        """Give the rollout engine the trainer's current weights (a no-op when they share them)."""
+        self.rollout.load_weights(self.engine.model.named_parameters())
+
     def generate(self, request: RolloutRequest) -> Batch:
         start = time.perf_counter()
         r = self.cfg.rollout
@@ -128,6 +133,7 @@ class ActorRollout:
                 stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(out["loss"]))
         if self.cfg.algorithm.kl_in_reward:
             self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
+        self.sync_rollout()
         batch.timing["update_actor"] = time.perf_counter() - start
         metrics = {k: float(np.mean(v)) for k, v in stats.items()}
         metrics["actor/skipped_steps"] = self.engine.skipped_steps
@@ -180,6 +186,7 @@ class ActorRollout:
 
         chunks = micro_batches(ids.shape[0], ids.shape[1], self.cfg.actor.micro_batch_tokens_per_gpu)
         out = self.engine.step(lambda: [partial(loss, r) for r in chunks])
+        self.sync_rollout()
         return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"]}
 
     # -- state -----------------------------------------------------------------------------
@@ -206,6 +213,7 @@ class ActorRollout:
             torch.set_rng_state(rng["torch"])
             random.setstate((3, tuple(rng["python"]), None))
             self.kl_ctl.value = rng["kl"]
+        self.sync_rollout()
 
     def export(self, directory: str) -> None:
         """A HF directory (safetensors, config, tokenizer) that from_pretrained loads."""

@@ -1,5 +1,6 @@
 """The stage verbs in-process, in the order the pipeline runs them."""
 
+import pytest
 import torch
 
 from engine.batch import RolloutRequest
@@ -15,9 +16,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path):
+@pytest.mark.parametrize("backend", ["hf", "native"])
+def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path, backend):
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)  # a random policy scores 0 on arithmetic
-    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score",
+    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score", f"rollout.backend={backend}",
                              "data.prompts_per_step=8", "actor.mini_batch_prompts=4", "rollout.samples_per_prompt=4",
                              "actor.kl_loss_coef=0.01", "actor.lr=1e-2", "actor.micro_batch_tokens_per_gpu=64",
                              "data.max_prompt_tokens=16"])
@@ -46,6 +48,9 @@ def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path):
     assert out["samples"][0]["prompt"].endswith("=")
     changed = [k for k, v in actor.engine.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the update must change the policy"
+    # the rollout engine samples from the updated weights: its logprobs match the trainer's again
+    batch = actor.logprobs(actor.generate(RolloutRequest(prompts[:8], step=1)))
+    assert batch.metrics["training/rollout_probs_diff_max"] < 1e-4
 
     # a checkpoint round-trips the weights and optimizer into a fresh actor
     (tmp_path / "ckpt").mkdir()
