@@ -83,7 +83,6 @@ class HFRollout:
             top_p=None if greedy else params.top_p, top_k=(params.top_k or None) if not greedy else None,
             max_new_tokens=params.max_new_tokens, eos_token_id=stops,
             pad_token_id=self.tokenizer.pad_token_id, stop_strings=params.stop_strings or None,
-            output_logits=True, return_dict_in_generate=True,
         )
         device = next(self.model.parameters()).device
         was_training = self.model.training
@@ -93,12 +92,23 @@ class HFRollout:
             out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
                                       generation_config=gen, tokenizer=self.tokenizer)
         self.model.train(was_training)
-        tokens = out.sequences[:, ids.shape[1]:].cpu()  # [B*n, R]
-        logits = torch.stack(out.logits, 1).float()  # [B*n, R, V]
-        logp = torch.log_softmax(logits / (params.temperature or 1.0), -1)
-        logp = logp.gather(-1, tokens.to(logp.device).unsqueeze(-1)).squeeze(-1).cpu()
+        tokens = out[:, ids.shape[1]:].cpu()  # [B*n, R]
+        logp = self._logprobs(ids, mask, tokens, params.temperature)
         flat = [self._cut(tokens[i], logp[i], stops, params) for i in range(len(tokens))]
         return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
+
+    def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,
+                  temperature: float) -> torch.Tensor:
+        """Per-token logprobs [B*n, R] by one more forward over prompt + response: keeping
+        generate's per-step logits would hold [B*n, R, vocab] floats (37 GB at 256 x 256 x 152k)."""
+        from engine.train import response_logprobs
+
+        full = torch.cat([mask, torch.ones_like(tokens)], 1)
+        vocab = self.model.config.vocab_size
+        budget = max(ids.shape[1] + tokens.shape[1], 2**31 // (4 * vocab))  # ~2 GiB of fp32 logits a chunk
+        logp, _ = response_logprobs(self.model, torch.cat([ids, tokens], 1), full,
+                                    (full.cumsum(1) - 1).clamp(min=0), tokens, temperature, budget)
+        return logp
 
     def _cut(self, tokens: torch.Tensor, logp: torch.Tensor, stops: list[int],
              params: SamplingParams) -> Completion:
