@@ -1,21 +1,56 @@
 """Placement: resource pools as Ray placement groups, one worker process per bundle.
 
-A pool of `size` workers reserves `size` bundles ({CPU: 1} or {CPU: 1, GPU: g}) in one placement
-group with the PACK strategy, so colocated ranks land together and rank order follows bundle
-order. Workers of a pool with more than one rank join one torch.distributed group.
+A pool of `size` workers reserves `size` bundles ({CPU: 1} or {CPU: 1, GPU: g}) spread over the
+cluster's nodes. `plan` fills the alive nodes in a fixed order (the driver's node first, then by
+IP and node id), as many bundles on each as its free resources hold (its total ones when the free
+ones fall short), and every node used gets one STRICT_PACK placement group. Ranks follow that
+order: all ranks of the first node, then those of the next. A one-node cluster gets one group.
+Workers of a pool with more than one rank join one torch.distributed group.
 
 Invariants:
 - a pool whose resources cannot be had fails with a clear error after `timeout_s`, never hangs;
-- rank r of every pool sits on bundle r.
+- the ranks of one node are consecutive, and rank r sits on bundle r - (first rank of its node).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray._private import state
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+def plan(nodes: list[tuple[str, dict[str, float]]], bundle: dict[str, float], size: int) -> list[tuple[str, int]]:
+    """(node id, bundles) per node used, filling `nodes` (in order, with their resources) as far as
+    each holds; empty if all of them together cannot hold `size` bundles."""
+    out: list[tuple[str, int]] = []
+    left = size
+    for node, res in nodes:
+        fits = min(math.floor(res.get(k, 0.0) / v + 1e-9) for k, v in bundle.items() if v)
+        if (n := min(fits, left)) > 0:
+            out.append((node, n))
+            left -= n
+    return [] if left else out
+
+
+def live_nodes(free: bool) -> list[tuple[str, dict[str, float]]]:
+    """Alive nodes with their free (or total) resources: the driver's node first, then by IP and id."""
+    here = ray.get_runtime_context().get_node_id()
+    nodes = sorted((n for n in ray.nodes() if n["Alive"]),
+                   key=lambda n: (n["NodeID"] != here, n["NodeManagerAddress"], n["NodeID"]))
+    # Ray has no public per-node view of free resources without the dashboard's state API.
+    res = state.available_resources_per_node() if free else {n["NodeID"]: n["Resources"] for n in nodes}
+    return [(n["NodeID"], res.get(n["NodeID"], {})) for n in nodes]
+
+
+def layout(bundle: dict[str, float], size: int) -> list[tuple[str, int]]:
+    """Where the pool goes: by free resources; else (resources of a pool just removed are freed
+    asynchronously) by total ones, and the groups wait; else one group that times out."""
+    return (plan(live_nodes(free=True), bundle, size) or plan(live_nodes(free=False), bundle, size)
+            or [(live_nodes(free=False)[0][0], size)])
 
 
 class Pool:
@@ -23,19 +58,27 @@ class Pool:
                  timeout_s: float = 120.0) -> None:
         bundle = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
         self.name = name
-        self.group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK", name=name)
-        ready, _ = ray.wait([self.group.ready()], timeout=timeout_s)
-        if not ready:
-            remove_placement_group(self.group)
+        where = layout(bundle, size)
+        # The node is a soft hint: STRICT_PACK keeps each group's ranks together wherever it lands.
+        self.groups: list[PlacementGroup] = [
+            placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK", name=f"{name}-{i}",
+                            _soft_target_node_id=node)
+            for i, (node, n) in enumerate(where)
+        ]
+        ready, _ = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups), timeout=timeout_s)
+        if len(ready) < len(self.groups):
+            for g in self.groups:
+                remove_placement_group(g)
             raise RuntimeError(f"pool '{name}': {size} bundles of {bundle} not available within "
                                f"{timeout_s:.0f}s; cluster has {ray.cluster_resources()}")
+        slots = [(g, i) for g, (_, n) in zip(self.groups, where) for i in range(n)]  # rank -> (group, bundle)
         remote_cls: Any = ray.remote(worker_cls)
         self.workers: list[Any] = [
             remote_cls.options(
                 num_cpus=1, num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(g, placement_group_bundle_index=i),
             ).remote(r, size, threads)
-            for r in range(size)
+            for r, (g, i) in enumerate(slots)
         ]
         if size > 1:
             host, port = ray.get(self.workers[0].address.remote())
@@ -48,4 +91,5 @@ class Pool:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w)
-        remove_placement_group(self.group)
+        for g in self.groups:
+            remove_placement_group(g)
