@@ -199,8 +199,10 @@ class ActorRollout:
             self.engine.model.config.save_pretrained(d)  # with the tokenizer: a loadable HF directory
             self.tokenizer.save_pretrained(d)
             torch.save(self.engine.state_dict(), d / "trainer.pt")
+        kind, keys, pos, *_ = np.random.get_state()
         rng = {"python": list(random.getstate()[1]), "torch": torch.get_rng_state(),
-               "kl": self.kl_ctl.value}
+               "numpy": [torch.from_numpy(keys.astype(np.int64)), int(pos)], "kl": self.kl_ctl.value,
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save(rng, d / f"worker_{self.rank}.pt")
 
     def load(self, directory: str) -> None:
@@ -212,6 +214,10 @@ class ActorRollout:
             rng = torch.load(own, weights_only=True)
             torch.set_rng_state(rng["torch"])
             random.setstate((3, tuple(rng["python"]), None))
+            keys, pos = rng["numpy"]
+            np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos))
+            if rng["cuda"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])
             self.kl_ctl.value = rng["kl"]
         self.sync_rollout()
 

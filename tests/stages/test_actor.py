@@ -55,8 +55,15 @@ def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path, backen
     # a checkpoint round-trips the weights and optimizer into a fresh actor
     (tmp_path / "ckpt").mkdir()
     actor.save(str(tmp_path / "ckpt"))
+    import random
+
+    import numpy as np
+
+    states = (random.random(), np.random.rand(), torch.rand(1))  # what the next draws would be
     fresh = ActorRollout(cfg, str(model_dir))
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)  # scramble, then restore from the checkpoint
     fresh.load(str(tmp_path / "ckpt"))
+    assert (random.random(), np.random.rand(), torch.rand(1)) == states
     for k, v in actor.engine.model.state_dict().items():
         assert torch.equal(v, fresh.engine.model.state_dict()[k]), k
     assert fresh.engine.scheduler.state_dict() == actor.engine.scheduler.state_dict()
