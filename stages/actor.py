@@ -199,9 +199,10 @@ class ActorRollout:
             self.engine.model.config.save_pretrained(d)  # with the tokenizer: a loadable HF directory
             self.tokenizer.save_pretrained(d)
             torch.save(self.engine.state_dict(), d / "trainer.pt")
-        kind, keys, pos, *_ = np.random.get_state()
+        nps = np.random.get_state(legacy=False)
         rng = {"python": list(random.getstate()[1]), "torch": torch.get_rng_state(),
-               "numpy": [torch.from_numpy(keys.astype(np.int64)), int(pos)], "kl": self.kl_ctl.value,
+               "numpy": [torch.tensor(nps["state"]["key"].tolist(), dtype=torch.int64), int(nps["state"]["pos"]),
+                         int(nps["has_gauss"]), float(nps["gauss"])], "kl": self.kl_ctl.value,
                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
         torch.save(rng, d / f"worker_{self.rank}.pt")
 
@@ -214,8 +215,8 @@ class ActorRollout:
             rng = torch.load(own, weights_only=True)
             torch.set_rng_state(rng["torch"])
             random.setstate((3, tuple(rng["python"]), None))
-            keys, pos = rng["numpy"]
-            np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos))
+            keys, pos, has_gauss, gauss = rng["numpy"]
+            np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
             if rng["cuda"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
             self.kl_ctl.value = rng["kl"]
