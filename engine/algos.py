@@ -84,7 +84,7 @@ def reinforce_pp_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> T
     return returns * mask
 
 
-def _on_last_token(values: Tensor, mask: Tensor) -> Tensor:
+def on_last_token(values: Tensor, mask: Tensor) -> Tensor:
     """Place a per-row value [N] on the last valid token of each row. Returns [N, T]."""
     positions = torch.arange(1, mask.shape[1] + 1, device=mask.device)  # [T]
     last = (mask.bool() * positions).argmax(dim=-1, keepdim=True)  # [N, 1]
@@ -116,9 +116,9 @@ def compute_advantages(
     if estimator in ("grpo", "drgrpo", "rloo"):
         return group_advantages(scores, group_size, estimator).unsqueeze(-1) * fmask  # [N, T]
     if estimator == "reinforce_pp_baseline":
-        token_rewards = _on_last_token(group_advantages(scores, group_size, estimator), mask)
+        token_rewards = on_last_token(group_advantages(scores, group_size, estimator), mask)
     elif token_rewards is None:
-        token_rewards = _on_last_token(scores, mask)
+        token_rewards = on_last_token(scores, mask)
     returns = reinforce_pp_returns(token_rewards, mask, gamma)  # [N, T]
     return masked_whiten(returns, fmask)
 

@@ -108,9 +108,8 @@ class ActorRollout:
         alg, mask = self.cfg.algorithm, batch.response_mask
         token_rewards = None
         if alg.kl_in_reward:
-            last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & mask.bool()
             kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
-            token_rewards = algos.kl_in_reward(last.float() * batch.scores[:, None], kl, mask, self.kl_ctl.value)
+            token_rewards = algos.kl_in_reward(algos.on_last_token(batch.scores, mask), kl, mask, self.kl_ctl.value)
             batch.metrics["actor/reward_kl_penalty"] = float(algos.masked_mean(kl, mask))
             batch.metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctl.value
         batch.advantages = algos.compute_advantages(

@@ -25,6 +25,22 @@ def model_dir(tmp_path_factory) -> Path:
     return task.build_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
 
 
+def trainer_logprobs(model, prompts: list[list[int]], n: int, completions: list, pad_id: int,
+                     temperature: float) -> torch.Tensor:
+    """What the trainer recomputes for rollout `completions` (n per prompt, in order): [N, R]."""
+    from engine.rollout import left_pad
+    from engine.train import response_logprobs
+
+    pids, pmask = left_pad([p for p in prompts for _ in range(n)], pad_id)
+    width = max(len(c.token_ids) for c in completions)
+    rids = torch.tensor([c.token_ids + [pad_id] * (width - len(c.token_ids)) for c in completions])
+    rmask = torch.tensor([[1] * len(c.token_ids) + [0] * (width - len(c.token_ids)) for c in completions])
+    mask = torch.cat([pmask, rmask], 1)
+    logp, _ = response_logprobs(model, torch.cat([pids, rids], 1), mask, (mask.cumsum(1) - 1).clamp(min=0),
+                                rids, temperature, 4096)
+    return logp
+
+
 @pytest.fixture(scope="session")
 def data_files(tmp_path_factory) -> dict[str, str]:
     return task.build_data(tmp_path_factory.mktemp("data"), n_train=512, n_val=64, seed=0)

@@ -1,11 +1,11 @@
 import pytest
 import torch
+from conftest import trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.native import NativeRollout, filter_logits
 from engine.native_model import NativeCausalLM
-from engine.rollout import HFRollout, SamplingParams, left_pad
-from engine.train import response_logprobs
+from engine.rollout import HFRollout, SamplingParams
 
 TEXTS = ["1+1=", "12+7=", "3+4=", "99+99=", "5+", "0+0=", "42+58=", "7"]
 
@@ -60,13 +60,7 @@ def test_sampling_is_seeded_and_logprobs_match_training(model_dir, hf, tok):
     assert [c.token_ids for c in flat] == [c.token_ids for g in engine.generate(prompts, params) for c in g]
     other = engine.generate(prompts, SamplingParams(**{**params.__dict__, "seed": 6}))
     assert [c.token_ids for c in flat] != [c.token_ids for g in other for c in g]
-    pids, pmask = left_pad([p for p in prompts for _ in range(3)], tok.pad_token_id)
-    width = max(len(c.token_ids) for c in flat)
-    rids = torch.tensor([c.token_ids + [tok.pad_token_id] * (width - len(c.token_ids)) for c in flat])
-    rmask = torch.tensor([[1] * len(c.token_ids) + [0] * (width - len(c.token_ids)) for c in flat])
-    mask = torch.cat([pmask, rmask], 1)
-    logp, _ = response_logprobs(hf, torch.cat([pids, rids], 1), mask, (mask.cumsum(1) - 1).clamp(min=0),
-                                rids, 0.7, 4096)
+    logp = trainer_logprobs(hf, prompts, 3, flat, tok.pad_token_id, 0.7)
     for i, c in enumerate(flat):
         assert len(c.token_ids) == len(c.logprobs) <= 8
         torch.testing.assert_close(logp[i, :len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-4, rtol=0)

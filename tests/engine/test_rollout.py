@@ -1,8 +1,8 @@
 import torch
+from conftest import trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.rollout import HFRollout, SamplingParams, left_pad
-from engine.train import response_logprobs
+from engine.rollout import HFRollout, SamplingParams
 
 
 def make(model_dir):
@@ -26,13 +26,7 @@ def test_samples_are_grouped_seeded_and_logprobs_match_training(model_dir):
         assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_token_id else "length")
         assert tok.eos_token_id not in c.token_ids[:-1]
     # the trainer recomputes the same per-token logprobs from the same weights
-    pids, pmask = left_pad([p for p in prompts for _ in range(3)], tok.pad_token_id)
-    width = max(len(c.token_ids) for c in flat)
-    rids = torch.tensor([c.token_ids + [tok.pad_token_id] * (width - len(c.token_ids)) for c in flat])
-    rmask = torch.tensor([[1] * len(c.token_ids) + [0] * (width - len(c.token_ids)) for c in flat])
-    mask = torch.cat([pmask, rmask], 1)
-    logp, _ = response_logprobs(model, torch.cat([pids, rids], 1), mask, (mask.cumsum(1) - 1).clamp(min=0),
-                                rids, 0.7, 4096)
+    logp = trainer_logprobs(model, prompts, 3, flat, tok.pad_token_id, 0.7)
     for i, c in enumerate(flat):
         torch.testing.assert_close(logp[i, :len(c.logprobs)], torch.tensor(c.logprobs), atol=1e-5, rtol=1e-4)
 
