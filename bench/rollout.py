@@ -3,9 +3,12 @@
     python bench/rollout.py --shape qwen2.5-0.5b --seqs 256 --prompt 128 --new 256
 
 Random weights in the given model shape (no download), bf16 on the GPU (fp32 on CPU), random
-prompt tokens, sampling at temperature 1. With random weights the stop token is one of ~150k
-equally likely tokens, so nearly every sequence runs to `--new` tokens; tokens/s counts the
-tokens actually generated. Each engine runs once to warm up, then `--repeats` timed runs (median).
+prompt tokens, sampling at temperature 1, EOS ignored (`--new` tokens for every sequence, so
+both engines do identical work). Each engine runs once to warm up (for native on CUDA that call
+also captures the decode graphs), then `--repeats` timed runs (median). HF runs with its
+dynamic and its static cache (`--hf-cache`). A last, synchronized native run gives the
+per-phase breakdown; the roofline is decode's bytes (weights + the KV each step reads) over the
+HBM bandwidth `--hbm-tbps`.
 """
 
 from __future__ import annotations
@@ -27,24 +30,60 @@ SHAPES = {  # published Qwen2.5 configs
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
     "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
 
 
-def timed(engine, prompts, params, repeats: int) -> list[tuple[float, int]]:
-    """(seconds, generated tokens) per timed run."""
-    engine.generate(prompts, params)  # warm-up: the first call is several times slower
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(engine, prompts, params, repeats: int) -> tuple[float, list[tuple[float, int]]]:
+    """(warm-up seconds, [(seconds, generated tokens)] per timed run)."""
+    start = time.perf_counter()
+    engine.generate(prompts, params)  # the first call is several times slower
+    sync()
+    warm = time.perf_counter() - start
     runs = []
     for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         out = engine.generate(prompts, params)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
         runs.append((time.perf_counter() - start, sum(len(c.token_ids) for g in out for c in g)))
-    return runs
+    return warm, runs
+
+
+def roofline(cfg: Qwen2Config, weights: int, seqs: int, prompt: int, new: int, itemsize: int,
+             tbps: float) -> float:
+    """Decode tokens/s if every step only read the weights and the live KV once from HBM."""
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    step_bytes = itemsize * (weights + seqs * (prompt + new / 2) * kv_per_token)
+    return seqs * tbps * 1e12 / step_bytes
+
+
+def profile(native: NativeRollout) -> None:
+    """Where decode's GPU time goes: the kernels of one CUDA-graph replay at full rows."""
+    if not native.graphs:
+        return
+    rows = native.max_slots
+    graph = native.graphs[rows]
+    sync()
+    start = time.perf_counter()
+    for _ in range(50):
+        graph.replay()
+    sync()
+    ms = (time.perf_counter() - start) / 50 * 1e3
+    print(f"  decode graph replay at {rows} rows: {ms:.2f} ms; kernels of 10 replays:")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            graph.replay()
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
 
 
 def main() -> None:
@@ -54,29 +93,52 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-cache", default="dynamic,static", help="comma list: dynamic, static, or none")
+    ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay")
+    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the roofline (H200: 4.8)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     tok = build_tokenizer()
-    cfg = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=4096, eos_token_id=tok.eos_token_id,
+    # no EOS: every sequence generates exactly --new tokens in both engines
+    cfg = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=4096, eos_token_id=None,
                       pad_token_id=tok.pad_token_id)
+    tok.eos_token_id = None
     torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).to(device).eval()
+    with torch.device(device):
+        hf_model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     prompts = torch.randint(100, cfg.vocab_size, (args.seqs, args.prompt)).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new, seed=0)
-    engines = {
-        "hf generate": HFRollout(hf_model, tok),
-        "native": NativeRollout(NativeCausalLM.from_module(hf_model), tok, max_slots=args.seqs,
-                                max_len=args.prompt + args.new),
-    }
+    native = NativeRollout(NativeCausalLM.from_module(hf_model), tok, max_slots=args.seqs,
+                           max_len=args.prompt + args.new)
+    engines: dict = {"native": native}
+    for cache in filter(lambda c: c in ("dynamic", "static"), args.hf_cache.split(",")):
+        engines[f"hf {cache}"] = HFRollout(hf_model, tok, cache_implementation=cache)
     print(f"{args.shape}, {args.seqs} seqs x ({args.prompt} -> {args.new}), {dtype}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
     results = {}
     for name, engine in engines.items():
-        runs = timed(engine, prompts, params, args.repeats)
+        warm, runs = timed(engine, prompts, params, args.repeats)
         results[name] = statistics.median(n / s for s, n in runs)
-        print(f"  {name:12s} {statistics.median(s for s, _ in runs):7.2f} s  {results[name]:10,.0f} tok/s")
-    print(f"  native / hf = {results['native'] / results['hf generate']:.2f}x")
+        print(f"  {name:12s} {statistics.median(s for s, _ in runs):7.2f} s  {results[name]:10,.0f} tok/s"
+              f"  (first call {warm:.2f} s)", flush=True)
+    hf_best = max((v for k, v in results.items() if k.startswith("hf")), default=0.0)
+    if hf_best:
+        print(f"  native / best hf = {results['native'] / hf_best:.2f}x")
+    native.phase_s = {}
+    sync()
+    start = time.perf_counter()
+    native.generate(prompts, params)
+    total = time.perf_counter() - start
+    print(f"  native phases (synchronized run, {total:.2f} s): "
+          + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)" for k, v in sorted(native.phase_s.items())))
+    if args.profile and device == "cuda":
+        profile(native)
+    if device == "cuda":
+        weights = sum(p.numel() for p in hf_model.parameters())
+        peak = roofline(cfg, weights, args.seqs, args.prompt, args.new, dtype.itemsize, args.hbm_tbps)
+        print(f"  decode roofline ~{peak:,.0f} tok/s; native reaches {100 * results['native'] / peak:.0f}%, "
+              f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"  # hf (transformers generate) | native (engine/native.py)
+    backend: str = "native"  # native (engine/native.py) | hf (transformers generate, a slow reference)
     samples_per_prompt: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
@@ -51,6 +51,7 @@ class RolloutConfig:
     top_k: int = 0  # 0 disables top-k
     stop_strings: list[str] = field(default_factory=list)  # eos always stops
     dtype: str = "float32"
+    kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
 
 
 @dataclass
@@ -279,6 +280,8 @@ def validate(cfg: Config) -> None:
                           "logprobs would not match training logprobs")
     if not 0 < r.top_p <= 1 or r.temperature < 0 or r.top_k < 0:
         raise ConfigError("rollout needs 0 < top_p <= 1, temperature >= 0, top_k >= 0")
+    if not 0 < r.kv_cache_memory <= 1:
+        raise ConfigError(f"rollout.kv_cache_memory must be in (0, 1], got {r.kv_cache_memory}")
     if a.dual_clip and a.dual_clip <= 1:
         raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, got {a.dual_clip}")
     if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage != "reinforce_pp":

@@ -5,17 +5,24 @@ each engine step either prefills newly admitted requests (when slots are free) o
 token for every running sequence, then samples on the model's device and retires finished
 sequences, whose slots go to waiting requests.
 
+On CUDA, decode replays a CUDA graph captured per row count (decode row i is cache slot i, so
+attention reads the cache in place); prefill and sampling run eagerly. On CPU all of it is eager.
+
 Invariants (those of engine/rollout.py, plus):
 - at most `max_slots` sequences run at once; prompt + max_new_tokens must fit in `max_len`;
+- with `memory_fraction` > 0 on CUDA, the KV cache takes at most that fraction of the device's
+  free memory, and `max_slots` shrinks to what fits;
 - a call's randomness comes only from a torch.Generator seeded with `params.seed`, and the step
   schedule is deterministic, so the same seed gives the same samples;
-- `release_memory` drops the KV cache tensors; `generate` refuses to run until `resume_memory`.
+- `release_memory` drops the KV cache tensors (and the graphs that point into them); `generate`
+  refuses to run until `resume_memory`.
 
 Run: the tests in tests/engine/test_native.py (CPU, fp32, the tiny embedded model).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,8 +31,8 @@ from typing import Any
 
 import torch
 
-from engine.native_model import KVCache, NativeCausalLM, head_dim
-from engine.rollout import Completion, SamplingParams
+from engine.native_model import KVCache, NativeCausalLM, fused, head_dim
+from engine.rollout import Completion, SamplingParams, stop_ids
 
 
 @dataclass
@@ -56,10 +63,22 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+@fused
+def gumbel_pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draw from softmax(logits / T) as argmax(logits / T + Gumbel noise) (the Gumbel-max trick)
+    and its logprob, in one pass over the vocabulary: logits and uniform noise [B, V]."""
+    scaled = logits.float() / temperature
+    tokens = (scaled - torch.log(-torch.log(noise))).argmax(-1)
+    return tokens, scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, -1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B]) from float32 logits [B, V]; logprobs over the full vocabulary."""
-    scaled = logits / (params.temperature or 1.0)
+    """(tokens [B], logprobs [B]) from logits [B, V]; logprobs over the full vocabulary."""
+    if params.temperature > 0 and params.top_k == 0 and params.top_p == 1.0:
+        noise = torch.rand(logits.shape, generator=generator, device=logits.device)
+        return gumbel_pick(logits, noise, params.temperature)
+    scaled = logits.float() / (params.temperature or 1.0)
     logp = torch.log_softmax(scaled, -1)
     if params.temperature == 0:
         tokens = logits.argmax(-1)
@@ -74,34 +93,56 @@ class NativeRollout:
 
     def __init__(self, model_or_path: NativeCausalLM | str | Path, tokenizer: Any, max_slots: int = 256,
                  max_len: int = 2048, max_prefill_tokens: int = 8192, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, cuda_graphs: bool = True, memory_fraction: float = 0.0) -> None:
         if isinstance(model_or_path, (str, Path)):
             model_or_path = NativeCausalLM.from_pretrained(model_or_path, dtype, device or "cpu")
         self.model = model_or_path.eval()
         self.tokenizer = tokenizer
-        self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
         weight = self.model.model.embed_tokens.weight
         self.device = weight.device
         cfg = self.model.config
+        if memory_fraction > 0 and self.device.type == "cuda":
+            per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_len * head_dim(cfg) * weight.itemsize
+            max_slots = min(max_slots, int(torch.cuda.mem_get_info(self.device)[0] * memory_fraction) // per_slot)
+            if max_slots < 1:
+                raise ValueError(f"memory_fraction {memory_fraction} leaves no room for one {max_len}-token slot")
+        self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
         self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, cfg.num_key_value_heads, head_dim(cfg),
                              weight.dtype, self.device)
+        self.phase_s: dict[str, float] | None = None  # set to {} to profile generate (see _lap)
+        self._lap_start = 0.0
+        # CUDA graphs for decode (captured on first use); None = eager, as on CPU
+        self.graphs: dict[int, torch.cuda.CUDAGraph] | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = {}
+            self.graph_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < max_slots}
+                                      | set(range(64, max_slots, 64)) | {max_slots})
+            self._ids = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+            self._kv_lens = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+            self._hidden = torch.zeros(max_slots, cfg.hidden_size, dtype=weight.dtype, device=self.device)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
-        stops = {self.tokenizer.eos_token_id, *params.stop_token_ids}
+        if self.graphs == {}:  # capture before any prefill: warm-up decodes scribble on the slots
+            self._capture(self.graphs)
+        stops = set(stop_ids(self.tokenizer, params))
         generator = torch.Generator(self.device).manual_seed(params.seed)
         waiting = deque(_Seq(p, i * params.n + j) for i, p in enumerate(prompts) for j in range(params.n))
         done: list[Completion | None] = [None] * len(waiting)
         free = list(range(self.max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         running: list[_Seq] = []
         with torch.inference_mode():
+            self._lap("")
             while waiting or running:
                 # schedule: admit what fits, else decode everyone; run; sample; retire
                 admitted = self._admit(waiting, free)
+                self._lap("schedule")
                 logits = self._prefill(admitted) if admitted else self._decode(running)
+                self._lap("prefill" if admitted else "decode")
                 stepped = admitted or running
                 running = running + admitted
                 tokens, logprobs = sample(logits, params, generator)
+                self._lap("sample")
                 for seq, tok, lp in zip(stepped, tokens.tolist(), logprobs.tolist()):
                     seq.tokens.append(tok)
                     seq.logprobs.append(lp)
@@ -110,8 +151,21 @@ class NativeRollout:
                         free.append(seq.slot)
                         done[seq.index] = Completion(seq.tokens, seq.logprobs, seq.finish)
                 running = [s for s in running if not s.finish]
+                self._lap("schedule")
         flat = [c for c in done if c is not None]
         return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
+
+    def _lap(self, phase: str) -> None:
+        """With `phase_s` set (a dict), add the time since the last lap to `phase_s[phase]`,
+        synchronizing the device first: a profile of where generate's time goes."""
+        if self.phase_s is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if phase:
+            self.phase_s[phase] = self.phase_s.get(phase, 0.0) + now - self._lap_start
+        self._lap_start = now
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if self.cache.k is None:
@@ -150,13 +204,49 @@ class NativeRollout:
         return self.model.logits(hidden[torch.arange(len(batch), device=self.device), last])
 
     def _decode(self, batch: list[_Seq]) -> torch.Tensor:
-        """Feed each sequence's last token; logits [B, V] for the next one."""
-        ids = torch.tensor([[s.tokens[-1]] for s in batch], device=self.device)  # [B, 1]
-        kv_lens = torch.tensor([s.cached for s in batch], device=self.device)  # [B]
-        slots = torch.tensor([s.slot for s in batch], device=self.device)
-        width = max(s.cached for s in batch) + 1
-        hidden = self.model(ids, kv_lens[:, None], self.cache, slots, kv_lens, width)
-        return self.model.logits(hidden[:, 0])
+        """Feed each sequence's last token; logits [B, V] for the next one.
+
+        Decode runs over rows 0..R-1 with row i on slot i (R covers the highest busy slot,
+        rounded up to a captured graph size on CUDA); idle rows are computed and dropped."""
+        slots = [s.slot for s in batch]
+        rows = self._rows(max(slots) + 1)
+        ids = torch.zeros(rows, dtype=torch.long)
+        kv_lens = torch.zeros(rows, dtype=torch.long)
+        ids[slots] = torch.tensor([s.tokens[-1] for s in batch])
+        kv_lens[slots] = torch.tensor([s.cached for s in batch])
+        if self.graphs is None:
+            hidden = self.model.decode(ids.to(self.device), kv_lens.to(self.device), self.cache,
+                                       int(kv_lens.max()) + 1)
+        else:
+            hidden = self._replay(ids, kv_lens)
+        return self.model.logits(hidden[torch.tensor(slots, device=self.device)])
+
+    def _rows(self, busy: int) -> int:
+        return busy if self.graphs is None else next(b for b in self.graph_sizes if b >= busy)
+
+    def _replay(self, ids: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+        """Decode through the CUDA graph captured for len(ids) rows; hidden [R, H] (a static buffer)."""
+        assert self.graphs
+        rows = len(ids)
+        self._ids[:rows].copy_(ids, non_blocking=True)
+        self._kv_lens[:rows].copy_(kv_lens, non_blocking=True)
+        self.graphs[rows].replay()
+        return self._hidden[:rows]
+
+    def _capture(self, graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
+        """One graph per row count, largest first, sharing one memory pool. Inputs are static
+        buffers; every graph attends over the full `max_len` columns, masked per row. The
+        warm-up decodes write K/V into column 0 of the slots, so this runs before any prefill."""
+        pool = None
+        for rows in reversed(self.graph_sizes):
+            args = (self._ids[:rows], self._kv_lens[:rows], self.cache, self.max_len)
+            self._hidden[:rows] = self.model.decode(*args)  # warm-up outside capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._hidden[:rows] = self.model.decode(*args)
+            pool = graph.pool()
+            graphs[rows] = graph
+        torch.cuda.synchronize()
 
     def _finish(self, seq: _Seq, stops: set[int], params: SamplingParams) -> str:
         if seq.tokens[-1] in stops:
@@ -171,7 +261,10 @@ class NativeRollout:
         self.model.load_weights(named_tensors)
 
     def release_memory(self) -> None:
+        """Drop the KV cache; the decode graphs point into it, so they go too (recaptured on use)."""
         self.cache.free()
+        if self.graphs:
+            self.graphs = {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

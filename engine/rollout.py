@@ -1,10 +1,11 @@
 """Rollout engines: prompt token ids in, sampled responses with per-token logprobs out.
 
 One interface (`RolloutEngine`), backends picked by `rollout.backend`:
+- `native` (engine/native.py, the default): our own Qwen2/Qwen3/Llama model with a slot KV cache,
+  continuous batching and CUDA-graph decode, holding a copy of the trainer's weights refreshed
+  by `load_weights`;
 - `hf`: transformers' `generate` over the training module itself (hybrid, zero-copy on one
-  device); a slow reference that works for any architecture;
-- `native` (engine/native.py): our own Qwen2/Qwen3/Llama model with a slot KV cache and
-  continuous batching, holding a copy of the trainer's weights refreshed by `load_weights`.
+  device); a slow reference that works for any architecture.
 
 Invariants:
 - `generate` returns, per prompt, `n` completions in order, so a prompt's samples are contiguous;
@@ -53,6 +54,11 @@ class RolloutEngine(Protocol):
     def resume_memory(self) -> None: ...
 
 
+def stop_ids(tokenizer: Any, params: SamplingParams) -> list[int]:
+    """The tokenizer's EOS (when it has one) and the request's stop tokens."""
+    return sorted({t for t in (tokenizer.eos_token_id, *params.stop_token_ids) if t is not None})
+
+
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, P], mask [B, P]) with every prompt right-aligned."""
     width = max(len(p) for p in prompts)
@@ -67,22 +73,24 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 class HFRollout:
     """transformers `generate` on a causal LM module, shared with the trainer when hybrid."""
 
-    def __init__(self, model: Any, tokenizer: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any, cache_implementation: str = "dynamic") -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.cache_implementation = cache_implementation  # dynamic | static (transformers' names)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         from transformers import GenerationConfig
 
         ids, mask = left_pad(prompts, self.tokenizer.pad_token_id)
         ids, mask = ids.repeat_interleave(params.n, 0), mask.repeat_interleave(params.n, 0)
-        stops = sorted({self.tokenizer.eos_token_id, *params.stop_token_ids})
+        stops = stop_ids(self.tokenizer, params)
         greedy = params.temperature == 0
         gen = GenerationConfig(
             do_sample=not greedy, temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p, top_k=(params.top_k or None) if not greedy else None,
-            max_new_tokens=params.max_new_tokens, eos_token_id=stops,
+            max_new_tokens=params.max_new_tokens, eos_token_id=stops or None,
             pad_token_id=self.tokenizer.pad_token_id, stop_strings=params.stop_strings or None,
+            cache_implementation=None if self.cache_implementation == "dynamic" else self.cache_implementation,
         )
         device = next(self.model.parameters()).device
         was_training = self.model.training
@@ -137,13 +145,17 @@ class HFRollout:
         """Nothing to take back: see release_memory."""
 
 
-def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, max_len: int) -> RolloutEngine:
-    """A rollout engine over the trainer's `model`: shared (hf) or a native copy kept in sync."""
+def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, max_len: int, max_slots: int,
+                  kv_cache_memory: float) -> RolloutEngine:
+    """A rollout engine over the trainer's `model`: shared (hf) or a native copy kept in sync
+    running up to `max_slots` sequences at once (fewer if its KV cache would overflow
+    `kv_cache_memory`, a fraction of free GPU memory)."""
     if backend == "hf":
         return HFRollout(model, tokenizer)
     if backend == "native":
         from engine.native import NativeRollout
         from engine.native_model import NativeCausalLM
 
-        return NativeRollout(NativeCausalLM.from_module(model), tokenizer, max_len=max_len)
+        return NativeRollout(NativeCausalLM.from_module(model), tokenizer, max_slots=max_slots, max_len=max_len,
+                             memory_fraction=kv_cache_memory)
     raise ValueError(f"unknown rollout.backend '{backend}'")

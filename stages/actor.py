@@ -50,8 +50,10 @@ class ActorRollout:
                                   cfg.trainer.total_steps * a.ppo_epochs * (cfg.data.prompts_per_step //
                                                                             a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device)
-        self.rollout = build_rollout(cfg.rollout.backend, self.engine.model, self.tokenizer,
-                                     cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+        r = cfg.rollout
+        self.rollout = build_rollout(r.backend, self.engine.model, self.tokenizer,
+                                     cfg.data.max_prompt_tokens + r.max_new_tokens,
+                                     -(-cfg.data.prompts_per_step * r.samples_per_prompt // world), r.kv_cache_memory)
         alg = cfg.algorithm
         self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
                        if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))

@@ -23,7 +23,7 @@ def tok(model_dir):
 def native_logits(model: NativeCausalLM, ids: list[int]) -> torch.Tensor:
     t = torch.tensor([ids])
     with torch.no_grad():
-        return model.logits(model(t, torch.arange(len(ids))[None]))[0]
+        return model.logits(model(t, torch.arange(len(ids))[None]))[0].float()
 
 
 def test_logits_match_transformers(model_dir, hf, tok):
@@ -145,3 +145,16 @@ def test_unsupported_rope_scaling_is_refused(tok):
                       num_attention_heads=4, rope_scaling={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(NotImplementedError, match="yarn"):
         NativeCausalLM(cfg)
+
+
+def test_gumbel_sampling_follows_the_tempered_distribution():
+    from engine.native import sample
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(40000, 4)
+    params = SamplingParams(temperature=0.7)
+    tokens, logp = sample(logits, params, torch.Generator().manual_seed(0))
+    want = torch.softmax(logits[0] / 0.7, -1)
+    freq = torch.bincount(tokens, minlength=4).float() / len(tokens)
+    # 4-sigma band of a binomial proportion at n = 40000
+    assert ((freq - want).abs() <= 4 * (want * (1 - want) / len(tokens)).sqrt()).all(), (freq, want)
+    torch.testing.assert_close(logp, torch.log(want)[tokens])
