@@ -166,6 +166,14 @@ def varied_groups(scores: Tensor, group_size: int) -> Tensor:
     return (grouped != grouped[:, :1]).any(dim=-1)
 
 
+def dynamic_sampling_rows(scores: Tensor, group_size: int, want: int) -> Tensor:
+    """Row indices of ``want`` groups for one DAPO step: groups whose scores differ first, in order,
+    then groups that all agree to top up a short step. scores: [N]. Returns [min(want, N/G) * G]."""
+    varied = varied_groups(scores, group_size)  # [N/G]
+    groups = torch.cat([varied.nonzero(), (~varied).nonzero()]).flatten()[:want]  # [<= want]
+    return (groups.unsqueeze(-1) * group_size + torch.arange(group_size, device=scores.device)).flatten()
+
+
 def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
     """DAPO's soft overlong punishment, added to the reward. lengths: [N] response tokens. Returns [N].
 

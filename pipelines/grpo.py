@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import torch
 from transformers import AutoTokenizer
 
 from engine import algos, checkpoint
@@ -186,15 +185,14 @@ def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int) 
         if sum(int(algos.varied_groups(b.scores, b.group_size).sum()) for b in batches) >= want:
             break
     pool = Batch.cat(batches)
-    varied = algos.varied_groups(pool.scores, pool.group_size)  # [groups]
-    groups = torch.cat([varied.nonzero(), (~varied).nonzero()]).flatten()[:want]  # varied ones first
-    kept = pool.rows((groups.unsqueeze(-1) * pool.group_size + torch.arange(pool.group_size)).flatten())
+    kept = pool.rows(algos.dynamic_sampling_rows(pool.scores, pool.group_size, want))
     kept.timing = timing
+    varied = int(algos.varied_groups(pool.scores, pool.group_size).sum())
     common = set.intersection(*(set(b.metrics) for b in batches))  # reward/* of every scored batch
     metrics = {k: sum(b.metrics[k] for b in batches) / len(batches) for k in common}
     metrics["dynamic_sampling/rounds"] = len(batches) / stages.workers
-    metrics["dynamic_sampling/varied_groups"] = float(varied.sum())
-    metrics["dynamic_sampling/topped_up_groups"] = float(max(0, want - int(varied.sum())))
+    metrics["dynamic_sampling/varied_groups"] = float(varied)
+    metrics["dynamic_sampling/topped_up_groups"] = float(max(0, want - varied))
     return kept, metrics
 
 

@@ -15,6 +15,7 @@ from engine.algos import (
     agg_loss,
     compute_advantages,
     dpo_loss,
+    dynamic_sampling_rows,
     entropy_from_logits,
     gae,
     group_advantages,
@@ -201,6 +202,13 @@ def test_varied_groups_drops_groups_that_all_agree() -> None:
     scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 2.0])
     assert varied_groups(scores, 2).tolist() == [False, True, False, False]
     assert varied_groups(scores, 4).tolist() == [True, True]
+
+
+def test_dynamic_sampling_rows_takes_varied_groups_first_then_tops_up() -> None:
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 0.0, 3.0])  # groups of 2: agree, differ, agree, differ
+    assert dynamic_sampling_rows(scores, 2, 2).tolist() == [2, 3, 6, 7]
+    assert dynamic_sampling_rows(scores, 2, 3).tolist() == [2, 3, 6, 7, 0, 1]  # one uninformative group tops up
+    assert dynamic_sampling_rows(scores, 2, 9).tolist() == [2, 3, 6, 7, 0, 1, 4, 5]  # never more than exist
 
 
 def test_overlong_penalty_is_linear_over_the_buffer() -> None:
