@@ -1,4 +1,4 @@
-"""Algorithm math for RL post-training: advantages, policy loss, KL terms, loss aggregation.
+"""Algorithm math for RL post-training: advantages, policy/value/DPO losses, KL terms, aggregation.
 
 This module is pure tensor math. It imports only torch and the standard library, so every
 stage and pipeline can use it and tests run on CPU in milliseconds.
@@ -15,13 +15,15 @@ Run its tests with ``python -m pytest tests/engine/test_algos.py -q``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
-ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl")
 
@@ -101,18 +103,24 @@ def compute_advantages(
     group_size: int,
     gamma: float = 1.0,
     token_rewards: Tensor | None = None,
+    baseline: Tensor | None = None,
 ) -> Tensor:
     """Per-token advantages [N, T] for one of ``ADVANTAGE_ESTIMATORS``; 0 where ``mask == 0``.
 
     scores: [N] outcome reward. token_rewards: [N, T], only read by "reinforce_pp"
-    (when None the score is placed on the last valid token).
+    (when None the score is placed on the last valid token). baseline: [N], only (and always)
+    read by "remax": the score of the greedy response to the same prompt.
     """
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
     if token_rewards is not None and estimator != "reinforce_pp":
         # Silently dropping per-token rewards (e.g. a KL penalty) would train on the wrong signal.
         raise ValueError(f"token_rewards are only used by 'reinforce_pp', not {estimator!r}")
+    if (baseline is not None) != (estimator == "remax"):
+        raise ValueError("a greedy baseline is needed by 'remax' and used by nothing else")
     fmask = mask.to(scores.dtype)
+    if estimator == "remax":
+        return remax_advantages(scores, baseline, mask)  # type: ignore[arg-type]
     if estimator in ("grpo", "drgrpo", "rloo"):
         return group_advantages(scores, group_size, estimator).unsqueeze(-1) * fmask  # [N, T]
     if estimator == "reinforce_pp_baseline":
@@ -121,6 +129,68 @@ def compute_advantages(
         token_rewards = on_last_token(scores, mask)
     returns = reinforce_pp_returns(token_rewards, mask, gamma)  # [N, T]
     return masked_whiten(returns, fmask)
+
+
+def remax_advantages(scores: Tensor, greedy_scores: Tensor, mask: Tensor) -> Tensor:
+    """ReMax (Li et al., 2023): a sample's reward minus that of the greedy response to its prompt.
+
+    scores, greedy_scores: [N]. Returns [N, T], constant over each row's valid tokens.
+    """
+    return (scores - greedy_scores).unsqueeze(-1) * mask.to(scores.dtype)
+
+
+def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al., 2016) over right-padded responses.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with V = 0 past the last valid token, and
+    ``A_t = delta_t + gamma * lam * A_{t+1}``. Inputs [N, T]; returns (advantages, returns = A + V),
+    both [N, T] and not whitened.
+    """
+    fmask = mask.to(values.dtype)
+    rewards, values = token_rewards * fmask, values * fmask  # [N, T]
+    advantages = torch.zeros_like(values)  # [N, T]
+    running = torch.zeros_like(values[:, 0])  # [N]
+    next_value = torch.zeros_like(values[:, 0])  # [N]
+    for t in reversed(range(values.shape[1])):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+        next_value = values[:, t]
+    # Padding sits after the last valid token, so it adds nothing above; mask what it holds.
+    return advantages * fmask, (advantages + values) * fmask
+
+
+def varied_groups(scores: Tensor, group_size: int) -> Tensor:
+    """DAPO's dynamic-sampling filter: True for groups whose scores are not all equal. [N] -> [N/G]."""
+    grouped = scores.view(-1, group_size)  # [N/G, G]
+    return (grouped != grouped[:, :1]).any(dim=-1)
+
+
+def dynamic_sampling_rows(scores: Tensor, group_size: int, want: int) -> Tensor:
+    """Row indices of ``want`` groups for one DAPO step: groups whose scores differ first, in order,
+    then groups that all agree to top up a short step. scores: [N]. Returns [min(want, N/G) * G]."""
+    varied = varied_groups(scores, group_size)  # [N/G]
+    groups = torch.cat([varied.nonzero(), (~varied).nonzero()]).flatten()[:want]  # [<= want]
+    return (groups.unsqueeze(-1) * group_size + torch.arange(group_size, device=scores.device)).flatten()
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward. lengths: [N] response tokens. Returns [N].
+
+    0 up to ``max_len - buffer`` tokens, then falling linearly to ``-penalty`` at ``max_len``.
+    """
+    over = (lengths.float() - (max_len - buffer)) / buffer  # [N], > 0 inside the buffer
+    return -penalty * over.clamp(0.0, 1.0)
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with ``correct`` right (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
+    if n - correct < k:
+        return 1.0  # every k-subset holds a correct sample
+    # The product form of the binomial ratio stays finite for large n.
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - correct + 1, n + 1))
 
 
 # ---------------------------------------------------------------- losses
@@ -163,36 +233,123 @@ def policy_loss(
     agg_mode: str = "token-mean",
     denom: float | None = None,
     norm_len: int | None = None,
+    kind: str = "ppo",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with ratio bounds [1 - clip_low, 1 + clip_high] and optional dual clip.
+    """Clipped policy-gradient loss; ``kind`` is one of ``POLICY_LOSSES``.
+
+    - "ppo": the PPO clipped surrogate on per-token ratios in [1 - clip_low, 1 + clip_high],
+      with an optional dual clip for negative advantages;
+    - "gspo": the same surrogate on GSPO's sequence-level ratio (see ``gspo_ratio``);
+    - "cispo": MiniMax-M1's clipped, stop-gradient IS weight times the logprob (``cispo_surrogate``).
 
     All inputs are [N, T]. Returns the aggregated loss and detached 0-dim metrics, which are
     masked means over this micro-batch (independent of ``denom``).
     """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {kind!r}; expected one of {POLICY_LOSSES}")
+    if dual_clip is not None and (dual_clip <= 1.0 or kind == "cispo"):
+        raise ValueError(f"dual_clip must be > 1 and needs a ppo/gspo loss, got {dual_clip} with {kind!r}")
     log_ratio = logp - old_logp  # [N, T]
-    # Clamp before exp so a stale token cannot overflow the ratio to inf.
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # [N, T]
+    if kind == "gspo":
+        ratio = gspo_ratio(logp, old_logp, mask)  # [N, T]
+    else:
+        # Clamp before exp so a stale token cannot overflow the ratio to inf.
+        ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # [N, T]
+    if kind == "cispo":
+        loss_mat, clipped = cispo_surrogate(logp, ratio, advantages, clip_low, clip_high)
+        capped = torch.zeros_like(clipped)
+    else:
+        loss_mat, clipped, capped = ppo_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
+    loss = agg_loss(loss_mat, mask, agg_mode, denom=denom, norm_len=norm_len)
+    metrics = {
+        "pg_clipfrac": masked_mean(clipped.to(logp.dtype), mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+        "pg_clipfrac_lower": masked_mean(capped.to(logp.dtype), mask).detach(),
+    }
+    return loss, metrics
+
+
+def ppo_surrogate(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float, dual_clip: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token ``max(-A * r, -A * clip(r))``, capped at ``-dual_clip * A`` where A < 0.
+
+    Inputs [N, T]. Returns (loss [N, T], ratio-clipped [N, T] bool, dual-capped [N, T] bool).
+    """
     loss1 = -advantages * ratio  # [N, T]
     loss2 = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     clipped = torch.maximum(loss1, loss2)  # [N, T]
-    clipfrac = masked_mean((loss2 > loss1).to(logp.dtype), mask)
-    clipfrac_lower = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    loss_mat = clipped
-    if dual_clip is not None:
-        # For A < 0 a huge ratio makes the loss unbounded; cap it at -c * A.
-        cap = -advantages * dual_clip  # [N, T]
-        negative = advantages < 0
-        loss_mat = torch.where(negative, torch.minimum(clipped, cap), clipped)
-        clipfrac_lower = masked_mean(((clipped > cap) & negative).to(logp.dtype), mask)
-    loss = agg_loss(loss_mat, mask, agg_mode, denom=denom, norm_len=norm_len)
+    if dual_clip is None:
+        return clipped, loss2 > loss1, torch.zeros_like(loss1, dtype=torch.bool)
+    # For A < 0 a huge ratio makes the loss unbounded; cap it at -c * A.
+    cap = -advantages * dual_clip  # [N, T]
+    capped = (clipped > cap) & (advantages < 0)  # [N, T]
+    return torch.where(capped, cap, clipped), loss2 > loss1, capped
+
+
+def gspo_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's (Zheng et al., 2025) sequence ratio ``s_i = exp(mean_t(logp - old_logp))`` on every token.
+
+    Its value is s_i on each valid token, and its gradient is ``s_i * grad logp_t`` (the paper's
+    GSPO-token form), so the PPO surrogate clips whole sequences: with "seq-mean-token-mean"
+    aggregation the gradient is the paper's ``s_i * A_i * mean_t grad logp_t``. Inputs [N, T].
+    """
+    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=-1)  # [N]
+    log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)  # [N, T]
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
+
+
+def cispo_surrogate(
+    logp: Tensor, ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """CISPO (MiniMax-M1, 2025): ``-sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp``.
+
+    Clipping the weight instead of the update keeps every token's gradient, rare ones included.
+    The paper only bounds the weight from above (clip_low = 1 removes the lower bound).
+    Inputs [N, T]. Returns (loss [N, T], weight-clipped [N, T] bool).
+    """
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high).detach()  # [N, T]
+    return -advantages * weight * logp, weight != ratio.detach()
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip: float,
+    agg_mode: str = "token-mean",
+    denom: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, V_clip = old + clip(V - old, ±clip).
+
+    Inputs [N, T]. Returns the aggregated loss and the detached fraction of tokens where the
+    clipped term was larger (``vf_clipfrac``).
+    """
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)  # [N, T]
+    plain, clipped = (values - returns).square(), (clipped_values - returns).square()  # [N, T]
+    loss = agg_loss(0.5 * torch.maximum(plain, clipped), mask, agg_mode, denom=denom)
+    return loss, {"vf_clipfrac": masked_mean((clipped > plain).to(values.dtype), mask).detach()}
+
+
+def dpo_loss(
+    chosen_logp: Tensor, rejected_logp: Tensor, ref_chosen_logp: Tensor, ref_rejected_logp: Tensor, beta: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """DPO (Rafailov et al., 2023): ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))``, batch mean.
+
+    Inputs [B]: summed response logprobs of each pair's chosen and rejected answer under the
+    policy and the frozen reference. Metrics are the implicit rewards ``beta * (pi - ref)``.
+    """
+    chosen = beta * (chosen_logp - ref_chosen_logp)  # [B]
+    rejected = beta * (rejected_logp - ref_rejected_logp)  # [B]
+    loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
     metrics = {
-        "pg_clipfrac": clipfrac.detach(),
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
-        "pg_clipfrac_lower": clipfrac_lower.detach(),
+        "rewards/chosen": chosen.mean(),
+        "rewards/rejected": rejected.mean(),
+        "rewards/margin": (chosen - rejected).mean(),
+        "rewards/accuracy": (chosen > rejected).to(chosen.dtype).mean(),
     }
-    return loss, metrics
+    return loss, {k: v.detach() for k, v in metrics.items()}
 
 
 # ---------------------------------------------------------------- KL

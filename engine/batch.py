@@ -8,7 +8,8 @@ column P-1+t predict response token t for every row alike.
 Invariants:
 - rows of one prompt are contiguous (`group_size` of them), which the group advantages rely on;
 - fields start empty (0-element tensors, empty lists) and each stage fills its own:
-  rollout -> response_*, rollout_logprobs; reward -> scores; reference -> ref_logprobs;
+  rollout -> response_*, rollout_logprobs (and baseline_responses for ReMax); reward -> scores
+  (and baseline_scores); reference -> ref_logprobs;
   actor -> old_logprobs, then advantages;
 - `timing` and `metrics` accumulate per-phase numbers on the way to the driver.
 """
@@ -42,6 +43,8 @@ class Batch:
     ref_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]
     old_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]
     advantages: torch.Tensor = field(default_factory=_empty)  # [N, R]
+    baseline_responses: list[str] = field(default_factory=list)  # ReMax: the prompt's greedy response, per row
+    baseline_scores: torch.Tensor = field(default_factory=_empty)  # [N] ReMax: the reward of that response
     timing: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -68,6 +71,30 @@ class Batch:
                 picked[name] = value
         return Batch(**picked)
 
+    @staticmethod
+    def cat(batches: list[Batch]) -> Batch:
+        """The rows of several batches in order, re-padded to the widest; timing and metrics stay empty.
+
+        Prompts are left-padded and responses right-padded again, with 0 under a 0 mask.
+        """
+        first = batches[0]
+        joined: dict = {"group_size": first.group_size, "timing": {}, "metrics": {}}
+        for name, value in vars(first).items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                joined[name] = _cat_padded([getattr(b, name) for b in batches], left=name.startswith("prompt"))
+            elif isinstance(value, list) and len(value) == len(first):
+                joined[name] = [x for b in batches for x in getattr(b, name)]
+        return Batch(**joined)
+
+
+def _cat_padded(parts: list[torch.Tensor], left: bool) -> torch.Tensor:
+    """Concatenate on dim 0, zero-padding dim 1 (if any) on the left or right to the widest part."""
+    if parts[0].dim() == 1:
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    pad = lambda p: (width - p.shape[1], 0) if left else (0, width - p.shape[1])  # noqa: E731
+    return torch.cat([torch.nn.functional.pad(p, pad(p)) for p in parts])
+
 
 @dataclass
 class RolloutRequest:
@@ -75,3 +102,4 @@ class RolloutRequest:
     prompts: list  # list[engine.data.Prompt]
     step: int  # seeds sampling, so a resumed or replayed step draws the same samples
     greedy: bool = False  # validation decodes greedily, one sample per prompt
+    samples: int = 0  # samples per prompt; 0 = rollout.samples_per_prompt, i.e. a training rollout

@@ -68,6 +68,7 @@ class ActorConfig:
     clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
     dual_clip: float = 0.0  # 0 disables; else c > 1
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    policy_loss: str = "ppo"  # ppo (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight x logprob)
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs
     entropy_coef: float = 0.0
@@ -76,13 +77,14 @@ class ActorConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax (greedy baseline)
     gamma: float = 1.0
     kl_in_reward: bool = False
     kl_coef: float = 0.001
     kl_penalty: str = "k1"
     kl_target: float = 0.0  # > 0 makes the in-reward KL coefficient adaptive
     kl_horizon: int = 10000
+    dynamic_sampling_tries: int = 0  # DAPO: > 0 drops groups with equal rewards, generating up to this many rounds
 
 
 @dataclass
@@ -90,6 +92,8 @@ class RewardConfig:
     function: str = ""  # "module:function" or "path/file.py:function"; "" = built-in by data_source
     on_error: str = "zero"  # zero (counted in reward/errors) | raise
     timeout_s: float = 30.0  # per call; a call that runs longer scores 0 and counts as an error
+    overlong_buffer: int = 0  # DAPO: > 0 ramps a penalty over this many tokens before max_new_tokens
+    overlong_penalty: float = 1.0  # reward (for advantages) lost at rollout.max_new_tokens
 
 
 @dataclass
@@ -116,6 +120,7 @@ class TrainerConfig:
     output_dir: str = "outputs/rlflow"
     seed: int = 0
     val_every: int = 10
+    val_samples: int = 4  # k sampled answers per validation prompt for mean@k / pass@k; 0 = greedy only
     samples_every: int = 10  # log a table of sample generations
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
     max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
@@ -232,8 +237,9 @@ CHOICES = {
     "actor.lr_schedule": {"constant", "cosine"},
     "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
     "actor.kl_loss_type": {"k1", "k2", "k3", "abs"},
+    "actor.policy_loss": {"ppo", "gspo", "cispo"},
     "algorithm.name": {"grpo"},
-    "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"},
+    "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"},
     "algorithm.kl_penalty": {"k1", "k2", "k3", "abs"},
     "reward.on_error": {"zero", "raise"},
     "trainer.dag": {"compiled", "plain"},
@@ -282,8 +288,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("rollout needs 0 < top_p <= 1, temperature >= 0, top_k >= 0")
     if not 0 < r.kv_cache_memory <= 1:
         raise ConfigError(f"rollout.kv_cache_memory must be in (0, 1], got {r.kv_cache_memory}")
-    if a.dual_clip and a.dual_clip <= 1:
-        raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, got {a.dual_clip}")
+    if a.dual_clip and (a.dual_clip <= 1 or a.policy_loss == "cispo"):
+        raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, and needs a ppo/gspo loss; got {a.dual_clip} "
+                          f"with actor.policy_loss={a.policy_loss}")
+    _validate_dapo(cfg)
     if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage != "reinforce_pp":
         raise ConfigError("algorithm.kl_in_reward needs algorithm.advantage=reinforce_pp (token-level "
                           "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
@@ -292,6 +300,21 @@ def validate(cfg: Config) -> None:
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
         raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
 
+
+def _validate_dapo(cfg: Config) -> None:
+    """Dynamic sampling, overlong shaping and validation sampling."""
+    rw, tries = cfg.reward, cfg.algorithm.dynamic_sampling_tries
+    if tries < 0 or cfg.trainer.val_samples < 0:
+        raise ConfigError("algorithm.dynamic_sampling_tries and trainer.val_samples must be >= 0")
+    if tries and cfg.rollout.samples_per_prompt < 2:
+        raise ConfigError("algorithm.dynamic_sampling_tries compares the rewards of one prompt's samples: "
+                          "rollout.samples_per_prompt must be >= 2")
+    if not 0 <= rw.overlong_buffer <= cfg.rollout.max_new_tokens or rw.overlong_penalty < 0:
+        raise ConfigError(f"reward.overlong_buffer must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}]"
+                          f" and reward.overlong_penalty >= 0; got {rw.overlong_buffer}, {rw.overlong_penalty}")
+    if rw.overlong_buffer and cfg.algorithm.advantage == "remax":
+        raise ConfigError("reward.overlong_buffer with algorithm.advantage=remax would shape the samples' rewards "
+                          "but not the greedy baseline's; use one of them")
 
 
 def reference_markdown() -> str:

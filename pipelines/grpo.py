@@ -2,15 +2,18 @@
 
 Algorithm: for each prompt sample G responses; score them with rule rewards; the advantage of a
 response is its reward minus the group mean, over the group std (`algorithm.advantage` swaps in
-Dr.GRPO, RLOO, REINFORCE++); update the policy with the PPO-clip loss (optionally with a k3 KL
-loss to the frozen reference). No critic, no value function, no reward model in this file.
+Dr.GRPO, RLOO, REINFORCE++, or ReMax's greedy-answer baseline); update the policy with the PPO-clip
+loss (`actor.policy_loss` swaps in GSPO's sequence ratio or CISPO's clipped IS weight; optionally
+with a k3 KL loss to the frozen reference). DAPO is this file plus config: clip-higher,
+token-mean loss, overlong reward shaping, and dynamic sampling, which the driver runs before the
+graph (`dynamic_sample`). No critic, no value function, no reward model in this file.
 
 One step, per data-parallel rank (`step_graph`):
     generate -> score -> [reference logprobs] -> old logprobs -> advantages -> update
 The same graph is either compiled once into a Ray compiled DAG (`trainer.dag=compiled`) or run
 as chained `.remote()` calls (`plain`); both execute the same stage verbs in the same order, so a
-seed gives identical metrics. Validation, checkpoints and logging stay in the driver, between
-executions.
+seed gives identical metrics. Validation, dynamic sampling, checkpoints and logging stay in the
+driver, between executions.
 
 Run: `rlflow train [conf/x.yaml] [key=value ...]`.
 """
@@ -19,14 +22,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import ray
 from transformers import AutoTokenizer
 
-from engine import checkpoint
-from engine.batch import RolloutRequest
+from engine import algos, checkpoint
+from engine.batch import Batch, RolloutRequest
 from engine.config import Config
 from engine.data import Prompt, PromptLoader, load_prompts
 from engine.placement import Pool
@@ -71,14 +75,18 @@ class Stages:
             pool.shutdown()
 
 
-def step_graph(stages: Stages, requests: list[Any], call: Callable) -> list[Any]:
-    """The step's dataflow, one chain per rank; `call` binds (compiled DAG) or submits (plain)."""
+def step_graph(stages: Stages, inputs: list[Any], call: Callable, sampled: bool = False) -> list[Any]:
+    """The step's dataflow, one chain per rank; `call` binds (compiled DAG) or submits (plain).
+
+    Inputs are RolloutRequests, or with `sampled` the scored batches dynamic sampling kept.
+    """
     outputs = []
-    for rank, request in enumerate(requests):
+    for rank, batch in enumerate(inputs):
         def at(role: str, verb: str, x: Any, rank: int = rank) -> Any:
             return call(stages.worker(role, rank).run, role, verb, x)
-        batch = at("actor", "generate", request)  # G samples per prompt, with rollout logprobs
-        batch = at("reward", "score", batch)  # rule reward per response
+        if not sampled:
+            batch = at("actor", "generate", batch)  # G samples per prompt, with rollout logprobs
+            batch = at("reward", "score", batch)  # rule reward per response
         if "reference" in stages.roles:
             batch = at("reference", "logprobs", batch)  # anchor for the KL loss
         batch = at("actor", "logprobs", batch)  # old-policy logprobs for the PPO ratio
@@ -87,16 +95,17 @@ def step_graph(stages: Stages, requests: list[Any], call: Callable) -> list[Any]
     return outputs
 
 
-def make_runner(cfg: Config, stages: Stages) -> tuple[Callable[[list[RolloutRequest]], list[dict]], Callable]:
+def make_runner(cfg: Config, stages: Stages) -> tuple[Callable[[list[Any]], list[dict]], Callable]:
     """(run one step, release) for the configured execution mode."""
+    sampled = cfg.algorithm.dynamic_sampling_tries > 0  # the driver generates and filters before the graph
     if cfg.trainer.dag == "plain":
         submit = lambda method, *args: method.remote(*args)  # noqa: E731
-        return (lambda reqs: ray.get(step_graph(stages, reqs, submit), timeout=GET_TIMEOUT_S)), (lambda: None)
+        return (lambda xs: ray.get(step_graph(stages, xs, submit, sampled), timeout=GET_TIMEOUT_S)), (lambda: None)
     from ray.dag import InputNode, MultiOutputNode
 
     bind = lambda method, *args: method.bind(*args)  # noqa: E731
     with InputNode() as inp:
-        dag = MultiOutputNode(step_graph(stages, [inp[r] for r in range(stages.workers)], bind))
+        dag = MultiOutputNode(step_graph(stages, [inp[r] for r in range(stages.workers)], bind, sampled))
     compiled = dag.experimental_compile(_submit_timeout=GET_TIMEOUT_S)
     return (lambda reqs: ray.get(compiled.execute(*reqs), timeout=GET_TIMEOUT_S)), compiled.teardown
 
@@ -107,24 +116,90 @@ def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
     return [prompts[i * size:(i + 1) * size] for i in range(n)]
 
 
-def validate(stages: Stages, prompts: list[Prompt], step: int) -> dict[str, float]:
-    """Greedy decoding on held-out prompts; mean score per data_source and overall."""
+def rollout(stages: Stages, prompts: list[Prompt], step: int, greedy: bool = False, samples: int = 0) -> list[Batch]:
+    """Generate and score `prompts` over the ranks with plain calls, outside the step graph."""
     refs = []
     for rank, part in enumerate(shards(prompts, stages.workers)):
-        batch = stages.worker("actor", rank).run.remote("actor", "generate", RolloutRequest(part, step, True))
+        request = RolloutRequest(part, step, greedy, samples)
+        batch = stages.worker("actor", rank).run.remote("actor", "generate", request)
         refs.append(stages.worker("reward", rank).run.remote("reward", "score", batch))
-    sums: dict[str, list[float]] = {}
-    for batch in ray.get(refs, timeout=GET_TIMEOUT_S):
-        for source, score in zip(batch.data_source, batch.scores.tolist()):
-            sums.setdefault(source, []).append(score)
-    out = {f"val/{s}/greedy_score": sum(v) / len(v) for s, v in sums.items()}
-    out["val/greedy_score"] = sum(sum(v) for v in sums.values()) / sum(len(v) for v in sums.values())
+    return ray.get(refs, timeout=GET_TIMEOUT_S)
+
+
+def validate(stages: Stages, prompts: list[Prompt], step: int, k: int) -> dict[str, float]:
+    """Held-out scores per data_source and overall: greedy, and with k > 0 mean@k and pass@j (j = 2, 4 .. k).
+
+    A sample passes when it scores >= 1, a rule reward's full marks.
+    """
+    out = prompt_means(rollout(stages, prompts, step, greedy=True), {"greedy_score": lambda s: s[0]})
+    if k:
+        stats: dict[str, Callable[[list[float]], float]] = {f"mean_at_{k}": lambda s: sum(s) / len(s)}
+        for j in sorted({2 ** i for i in range(1, k.bit_length())} | {k} - {1}):
+            stats[f"pass_at_{j}"] = partial(passed, j)
+        out.update(prompt_means(rollout(stages, prompts, step, samples=k), stats))
     return out
 
 
-def merge(results: list[dict], seconds: float, workers: int) -> dict[str, float]:
-    """Mean of each rank's metrics, plus step timing and throughput."""
+def passed(k: int, scores: list[float]) -> float:
+    """Unbiased pass@k of one prompt's sampled scores."""
+    return algos.pass_at_k(len(scores), sum(x >= 1.0 for x in scores), k)
+
+
+def prompt_means(batches: list[Batch], stats: dict[str, Callable[[list[float]], float]]) -> dict[str, float]:
+    """`val/<data_source>/<stat>` and `val/<stat>`: each stat of one prompt's scores, averaged over prompts."""
+    scores: dict[str, list[list[float]]] = {}  # data_source -> one list of sample scores per prompt
+    for b in batches:
+        for i, row in enumerate(b.scores.view(-1, b.group_size).tolist()):
+            scores.setdefault(b.data_source[i * b.group_size], []).append(row)
+    out = {}
+    for name, stat in stats.items():
+        values = {source: [stat(row) for row in rows] for source, rows in scores.items()}
+        out.update({f"val/{source}/{name}": sum(v) / len(v) for source, v in values.items()})
+        every = [x for v in values.values() for x in v]
+        out[f"val/{name}"] = sum(every) / len(every)
+    return out
+
+
+def step_inputs(stages: Stages, loader: PromptLoader, step: int, tries: int) -> tuple[list[Any], dict[str, float]]:
+    """What the step graph starts from, per rank, and driver-side metrics: RolloutRequests, or with
+    tries > 0 (DAPO's dynamic sampling) the scored batches `dynamic_sample` kept."""
+    if not tries:
+        return [RolloutRequest(s, step) for s in shards(loader.next_batch(), stages.workers)], {}
+    kept, metrics = dynamic_sample(stages, loader, step, tries)
+    rows = len(kept) // stages.workers
+    return [kept.rows(slice(r * rows, (r + 1) * rows)) for r in range(stages.workers)], metrics
+
+
+def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int) -> tuple[Batch, dict[str, float]]:
+    """Generate and score rounds of prompts until a step's worth of groups whose rewards differ is
+    found, or `tries` rounds ran; then top up with groups that all agree (no learning signal, counted)
+    so that every step has the same shape."""
+    want = loader.batch_size
+    batches: list[Batch] = []
+    timing: dict[str, float] = {}
+    for _ in range(tries):
+        scored = rollout(stages, loader.next_batch(), step)
+        for key in scored[0].timing:  # ranks run in parallel, rounds one after another
+            timing[key] = timing.get(key, 0.0) + max(b.timing[key] for b in scored)
+        batches += scored
+        if sum(int(algos.varied_groups(b.scores, b.group_size).sum()) for b in batches) >= want:
+            break
+    pool = Batch.cat(batches)
+    kept = pool.rows(algos.dynamic_sampling_rows(pool.scores, pool.group_size, want))
+    kept.timing = timing
+    varied = int(algos.varied_groups(pool.scores, pool.group_size).sum())
+    common = set.intersection(*(set(b.metrics) for b in batches))  # reward/* of every scored batch
+    metrics = {k: sum(b.metrics[k] for b in batches) / len(batches) for k in common}
+    metrics["dynamic_sampling/rounds"] = len(batches) / stages.workers
+    metrics["dynamic_sampling/varied_groups"] = float(varied)
+    metrics["dynamic_sampling/topped_up_groups"] = float(max(0, want - varied))
+    return kept, metrics
+
+
+def merge(results: list[dict], seconds: float, workers: int, driver: dict[str, float]) -> dict[str, float]:
+    """Mean of each rank's metrics, the driver's own, plus step timing and throughput."""
     metrics = {k: sum(r["metrics"][k] for r in results) / len(results) for k in results[0]["metrics"]}
+    metrics.update(driver)
     for k in results[0]["timing"]:
         metrics[f"timing_s/{k}"] = max(r["timing"][k] for r in results)
     metrics["timing_s/step"] = seconds
@@ -188,11 +263,12 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     try:
         while step < t.total_steps:
             try:
-                if t.val_every and step % t.val_every == 0:
-                    tracker.log_metrics(validate(live.stages, val_prompts, step), step=step)
+                if t.val_every and step % t.val_every == 0:  # before `begin`: not part of the step's throughput
+                    tracker.log_metrics(validate(live.stages, val_prompts, step, t.val_samples), step=step)
                 begin = time.perf_counter()
-                requests = [RolloutRequest(s, step) for s in shards(loader.next_batch(), live.stages.workers)]
-                results = live.run_step(requests)
+                # Driver-side: dynamic sampling, when on, generates and filters here.
+                inputs, driver_metrics = step_inputs(live.stages, loader, step, cfg.algorithm.dynamic_sampling_tries)
+                results = live.run_step(inputs)
             except WORKER_LOST as e:
                 if restarts >= t.max_restarts:
                     raise
@@ -205,7 +281,7 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
                 live = Workers(cfg, model_path, last_ckpt, loader)
                 step = live.start
                 continue
-            metrics = merge(results, time.perf_counter() - begin, live.stages.workers)
+            metrics = merge(results, time.perf_counter() - begin, live.stages.workers, driver_metrics)
             check_health(metrics, t.max_consecutive_skips, last_ckpt)
             step += 1
             tracker.log_metrics(metrics, step=step)
@@ -215,7 +291,7 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
             if t.save_every and step % t.save_every == 0 and step < t.total_steps:
                 last_ckpt = save(live.stages, root, step, loader, tracker.run_id, t.keep_last)
             bar.update(metrics)
-        final = validate(live.stages, val_prompts, t.total_steps)
+        final = validate(live.stages, val_prompts, t.total_steps, t.val_samples)
         tracker.log_metrics(final, step=t.total_steps)
         bar.close(final)
         ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -68,9 +69,14 @@ class ActorRollout:
         r = self.cfg.rollout
         params = SamplingParams(
             temperature=0.0 if request.greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
-            n=1 if request.greedy else r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
+            n=1 if request.greedy else request.samples or r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
             stop_strings=r.stop_strings, seed=hash((self.cfg.trainer.seed, request.step, self.rank)) % 2**31)
         groups = self.rollout.generate([p.ids for p in request.prompts], params)
+        baseline = []
+        if self.cfg.algorithm.advantage == "remax" and not (request.greedy or request.samples):
+            # ReMax's baseline: one greedy answer per training prompt, scored by the reward stage.
+            greedy = self.rollout.generate([p.ids for p in request.prompts], replace(params, temperature=0.0, n=1))
+            baseline = self.tokenizer.batch_decode([g[0].token_ids for g in greedy], skip_special_tokens=True)
         completions = [c for group in groups for c in group]
         n = params.n
         pids, pmask = left_pad([p.ids for p in request.prompts], self.tokenizer.pad_token_id)
@@ -86,6 +92,7 @@ class ActorRollout:
             finish_reason=[c.finish_reason for c in completions],
             prompt_text=expand([p.text for p in request.prompts]),
             responses=self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True),
+            baseline_responses=expand(baseline),
         )
         batch.timing["gen"] = time.perf_counter() - start
         return batch
@@ -107,15 +114,22 @@ class ActorRollout:
 
     def advantages(self, batch: Batch) -> Batch:
         start = time.perf_counter()
-        alg, mask = self.cfg.algorithm, batch.response_mask
+        alg, mask, rw = self.cfg.algorithm, batch.response_mask, self.cfg.reward
+        scores = batch.scores
+        if rw.overlong_buffer:  # DAPO: shape the reward that advantages see; the logged score stays raw
+            penalty = algos.overlong_penalty(mask.sum(1), self.cfg.rollout.max_new_tokens, rw.overlong_buffer,
+                                             rw.overlong_penalty)
+            scores = scores + penalty
+            batch.metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
         token_rewards = None
         if alg.kl_in_reward:
             kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
-            token_rewards = algos.kl_in_reward(algos.on_last_token(batch.scores, mask), kl, mask, self.kl_ctl.value)
+            token_rewards = algos.kl_in_reward(algos.on_last_token(scores, mask), kl, mask, self.kl_ctl.value)
             batch.metrics["actor/reward_kl_penalty"] = float(algos.masked_mean(kl, mask))
             batch.metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctl.value
+        baseline = batch.baseline_scores if alg.advantage == "remax" else None
         batch.advantages = algos.compute_advantages(
-            alg.advantage, batch.scores, mask, batch.group_size, alg.gamma, token_rewards)
+            alg.advantage, scores, mask, batch.group_size, alg.gamma, token_rewards, baseline)
         batch.timing["adv"] = time.perf_counter() - start
         return batch
 
@@ -157,7 +171,7 @@ class ActorRollout:
         logp = algos.token_logprobs(logits, mini.response_ids[r].to(logits.device)).cpu()
         norm_len = self.cfg.rollout.max_new_tokens
         loss, m = algos.policy_loss(logp, mini.old_logprobs[r], mini.advantages[r], mask, a.clip_low,
-                                    a.clip_high, a.dual_clip or None, a.loss_agg, denom, norm_len)
+                                    a.clip_high, a.dual_clip or None, a.loss_agg, denom, norm_len, a.policy_loss)
         entropy = algos.entropy_from_logits(logits).cpu()
         stats.setdefault("actor/entropy", []).append(float(algos.masked_mean(entropy.detach(), mask)))
         if a.entropy_coef:

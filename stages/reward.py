@@ -1,6 +1,7 @@
 """The reward stage: rule functions scoring decoded responses against ground truth.
 
-Verb: `score(batch) -> batch` filling `scores` [N] and `reward/*` metrics. A failing user function
+Verb: `score(batch) -> batch` filling `scores` [N] (and `baseline_scores` [N] when the batch
+carries ReMax's greedy answers) and `reward/*` metrics. A failing user function
 scores 0 and is counted (`reward/errors`) unless `reward.on_error=raise`.
 """
 
@@ -23,6 +24,10 @@ class Reward:
         start = time.perf_counter()
         scores, metrics, _ = self.fn(batch.data_source, batch.responses, batch.ground_truth, batch.extra_info)
         batch.scores = torch.tensor(scores, dtype=torch.float32)
+        if batch.baseline_responses:  # ReMax: the greedy answers, scored alike
+            baseline, _, _ = self.fn(batch.data_source, batch.baseline_responses, batch.ground_truth, batch.extra_info)
+            batch.baseline_scores = torch.tensor(baseline, dtype=torch.float32)
+            metrics["reward/greedy_baseline/mean"] = float(batch.baseline_scores.mean())
         batch.metrics.update(metrics)
         batch.timing["reward"] = time.perf_counter() - start
         return batch

@@ -14,15 +14,22 @@ from engine.algos import (
     FixedKLController,
     agg_loss,
     compute_advantages,
+    dpo_loss,
+    dynamic_sampling_rows,
     entropy_from_logits,
+    gae,
     group_advantages,
     kl_in_reward,
     kl_penalty,
     masked_mean,
     masked_whiten,
+    overlong_penalty,
+    pass_at_k,
     policy_loss,
     reinforce_pp_returns,
     token_logprobs,
+    value_loss,
+    varied_groups,
 )
 
 
@@ -156,6 +163,81 @@ def test_compute_advantages_errors() -> None:
         compute_advantages("grpo", SCORES, torch.ones(4, 2), group_size=1)
 
 
+def test_remax_subtracts_the_greedy_score() -> None:
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    adv = compute_advantages("remax", torch.tensor([1.0, 0.0, 1.0]), mask, 1, baseline=torch.tensor([1.0, 1.0, 0.0]))
+    close(adv, [[0.0, 0.0], [-1.0, 0.0], [1.0, 1.0]])
+    with pytest.raises(ValueError, match="greedy baseline"):
+        compute_advantages("remax", torch.ones(3), mask, 1)
+    with pytest.raises(ValueError, match="greedy baseline"):
+        compute_advantages("drgrpo", torch.ones(2), mask[:2], 2, baseline=torch.ones(2))
+
+
+GAE_REWARDS = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
+GAE_VALUES = torch.tensor([[0.5, 0.5, 0.5], [1.0, 1.0, 7.0]])
+GAE_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def test_gae_gamma_lambda() -> None:
+    adv, ret = gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, gamma=0.9, lam=0.5)
+    # row 0: delta_2 = 1 - 0.5 = 0.5 -> A_2 = 0.5
+    #        delta_1 = 0.9*0.5 - 0.5 = -0.05 -> A_1 = -0.05 + 0.45*0.5 = 0.175
+    #        delta_0 = -0.05 -> A_0 = -0.05 + 0.45*0.175 = 0.02875
+    # row 1: the masked reward 9 and value 7 are dropped, so V_2 = 0 and A_2 = 0
+    #        delta_1 = 2 - 1 = 1 -> A_1 = 1;  delta_0 = 0.9*1 - 1 = -0.1 -> A_0 = -0.1 + 0.45*1 = 0.35
+    close(adv, [[0.02875, 0.175, 0.5], [0.35, 1.0, 0.0]])
+    close(ret, [[0.52875, 0.675, 1.0], [1.35, 2.0, 0.0]])  # A + V
+
+
+def test_gae_lambda_one_is_monte_carlo_minus_value() -> None:
+    adv, ret = gae(GAE_REWARDS, GAE_VALUES, GAE_MASK, gamma=1.0, lam=1.0)
+    close(adv, [[0.5, 0.5, 0.5], [1.0, 1.0, 0.0]])  # reward-to-go (1; 2) minus V
+    close(ret, [[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]])
+
+
+# ---------------------------------------------------------------- DAPO pieces and pass@k
+
+
+def test_varied_groups_drops_groups_that_all_agree() -> None:
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 2.0, 2.0])
+    assert varied_groups(scores, 2).tolist() == [False, True, False, False]
+    assert varied_groups(scores, 4).tolist() == [True, True]
+
+
+def test_dynamic_sampling_rows_takes_varied_groups_first_then_tops_up() -> None:
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0, 0.0, 3.0])  # groups of 2: agree, differ, agree, differ
+    assert dynamic_sampling_rows(scores, 2, 2).tolist() == [2, 3, 6, 7]
+    assert dynamic_sampling_rows(scores, 2, 3).tolist() == [2, 3, 6, 7, 0, 1]  # one uninformative group tops up
+    assert dynamic_sampling_rows(scores, 2, 9).tolist() == [2, 3, 6, 7, 0, 1, 4, 5]  # never more than exist
+
+
+def test_overlong_penalty_is_linear_over_the_buffer() -> None:
+    # max 8 tokens, buffer 4: free up to 4 tokens, then (L - 4) / 4 of the penalty, all of it at 8
+    close(overlong_penalty(torch.tensor([3, 4, 6, 8]), 8, 4, 1.0), [0.0, 0.0, -0.5, -1.0])
+    close(overlong_penalty(torch.tensor([3, 4, 6, 8]), 8, 4, 0.5), [0.0, 0.0, -0.25, -0.5])
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [
+        (4, 1, 1, 0.25),  # pass@1 is c / n
+        (4, 1, 2, 0.5),  # 1 - C(3, 2) / C(4, 2) = 1 - 3/6
+        (4, 0, 2, 0.0),
+        (4, 3, 2, 1.0),  # any 2 of 4 hold one of the 3 correct
+        (5, 2, 3, 0.9),  # 1 - C(3, 3) / C(5, 3) = 1 - 1/10
+        (4, 2, 4, 1.0),
+    ],
+)
+def test_pass_at_k_unbiased(n: int, c: int, k: int, expected: float) -> None:
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_pass_at_k_needs_k_in_range(k: int) -> None:
+    with pytest.raises(ValueError, match="0 < k <= n"):
+        pass_at_k(4, 1, k)
+
+
 # ---------------------------------------------------------------- loss aggregation
 
 
@@ -265,6 +347,75 @@ def test_policy_loss_rejects_dual_clip_at_most_one(dual_clip: float) -> None:
         policy_loss(
             torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), dual_clip=dual_clip
         )
+
+
+def test_gspo_clips_whole_sequences() -> None:
+    # per-token log ratios; row 0's third token is masked (its 5.0 must not count)
+    logp = torch.tensor([[0.3, 0.1, 5.0], [-0.4, 0.0, 0.1]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, metrics = policy_loss(logp, torch.zeros(2, 3), adv, mask, agg_mode="seq-mean-token-mean", kind="gspo")
+    # s_0 = exp(mean(0.3, 0.1)) = e^0.2 = 1.221403 > 1.2 with A > 0: clipped, -1.2 per token
+    # s_1 = exp(mean(-0.4, 0, 0.1)) = e^-0.1 = 0.904837, inside [0.8, 1.2]: +0.904837 per token
+    close(loss, -0.1475815)  # (-1.2 + 0.904837) / 2 sequences
+    close(metrics["pg_clipfrac"], 0.4)  # 2 of 5 valid tokens sit in the clipped sequence
+    loss.backward()
+    assert logp.grad is not None
+    close(logp.grad[0], [0.0, 0.0, 0.0])
+    # every token of row 1 gets -A * s_1 / 3 tokens / 2 rows, not its own token ratio
+    close(logp.grad[1], [0.150806, 0.150806, 0.150806])
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens() -> None:
+    logp = _logp([1.5, 0.5, 1.1]).requires_grad_(True)
+    adv = torch.tensor([[1.0, -1.0, 2.0]])
+    loss, metrics = policy_loss(logp, torch.zeros(1, 3), adv, torch.ones(1, 3), clip_low=1.0, clip_high=0.28,
+                                kind="cispo")
+    # weights clip(r, 0, 1.28) = [1.28, 0.5, 1.1]; loss -A * w * logp per token:
+    #   -1.28 * ln 1.5 = -0.518995;  0.5 * ln 0.5 = -0.346574;  -2.2 * ln 1.1 = -0.209682
+    close(loss, -0.358417)  # sum / 3 tokens
+    close(metrics["pg_clipfrac"], 1 / 3)
+    loss.backward()
+    assert logp.grad is not None
+    # d/dlogp = -A * w / 3: the clipped token still learns, at the capped weight
+    close(logp.grad, [[-1.28 / 3, 0.5 / 3, -2.2 / 3]])
+
+
+def test_policy_loss_kind_errors() -> None:
+    args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        policy_loss(*args, kind="trpo")
+    with pytest.raises(ValueError, match="needs a ppo/gspo loss"):
+        policy_loss(*args, dual_clip=3.0, kind="cispo")
+
+
+# ---------------------------------------------------------------- value and DPO losses
+
+
+def test_value_loss_takes_the_larger_of_clipped_and_plain() -> None:
+    values = torch.tensor([[1.0, 2.0, 0.0]], requires_grad=True)
+    loss, metrics = value_loss(values, torch.zeros(1, 3), torch.tensor([[1.5, 0.0, 3.0]]), torch.ones(1, 3), 0.5)
+    # V_clip = clip(V, -0.5, 0.5) = [0.5, 0.5, 0]
+    #   t0: (1 - 1.5)^2 = 0.25 vs (0.5 - 1.5)^2 = 1 -> 1   (clipped term wins)
+    #   t1: (2 - 0)^2 = 4      vs 0.5^2 = 0.25      -> 4
+    #   t2: (0 - 3)^2 = 9      vs 9                 -> 9
+    close(loss, 7 / 3)  # 0.5 * (1 + 4 + 9) / 3
+    close(metrics["vf_clipfrac"], 1 / 3)
+    loss.backward()
+    assert values.grad is not None
+    close(values.grad, [[0.0, 2 / 3, -1.0]])  # clipped t0 has no gradient; else (V - R) / 3
+
+
+def test_dpo_loss_and_reward_stats() -> None:
+    loss, metrics = dpo_loss(torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0]), torch.tensor([-1.5, -2.0]),
+                             torch.tensor([-1.5, -2.0]), beta=0.5)
+    # implicit rewards 0.5 * (pi - ref): chosen [0.25, -0.5], rejected [-0.25, 0.5] -> margins [0.5, -1]
+    # loss mean(log(1 + e^-0.5), log(1 + e^1)) = mean(0.474077, 1.313262)
+    close(loss, 0.8936695)
+    close(metrics["rewards/chosen"], -0.125)
+    close(metrics["rewards/rejected"], 0.125)
+    close(metrics["rewards/margin"], -0.25)
+    close(metrics["rewards/accuracy"], 0.5)
 
 
 # ---------------------------------------------------------------- KL

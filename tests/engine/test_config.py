@@ -46,10 +46,17 @@ def test_unknown_key_in_yaml(tmp_path):
     ("trainer.total_steps=0", "must be > 0"),
     ("actor.dual_clip=0.5", "dual_clip"),
     ("algorithm.kl_in_reward=true", "kl_in_reward needs"),
+    ("actor.policy_loss=trpo", "choose one of"),
+    (["actor.policy_loss=cispo", "actor.dual_clip=3"], "needs a ppo/gspo loss"),
+    ("reward.overlong_buffer=9", "overlong_buffer must be in"),
+    (["algorithm.dynamic_sampling_tries=2", "algorithm.advantage=remax", "rollout.samples_per_prompt=1"],
+     "samples_per_prompt must be >= 2"),
+    (["algorithm.advantage=remax", "reward.overlong_buffer=2"], "greedy baseline"),
+    ("trainer.val_samples=-1", "must be >= 0"),
 ])
 def test_invalid_values_fail_before_work(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [override])
+        load_config(None, override if isinstance(override, list) else [override])
 
 
 def test_drgrpo_with_one_sample_is_still_a_group_error():

@@ -33,10 +33,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def rlflow(tmp_path: Path, out: str, *overrides: str, timeout: int = 400) -> subprocess.CompletedProcess:
+def rlflow(tmp_path: Path, out: str, *overrides: str, timeout: int = 400,
+           conf: str = "smoke.yaml") -> subprocess.CompletedProcess:
     reward = tmp_path / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
-    cmd = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path / out}",
+    cmd = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / conf), f"trainer.output_dir={tmp_path / out}",
            f"reward.function={reward}:compute_score", *overrides]
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -195,3 +196,39 @@ def test_mlflow_run_makes_exactly_one_run(tmp_path):
     assert run.data.params["trainer.total_steps"] == "3"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2, 3]
     assert {"config.yaml", "hf_model", "checkpoints"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+# Each shipped algorithm config, shrunk to one tiny step, and the metrics only it logs.
+ALGORITHMS = {
+    "dapo.yaml": ("dynamic_sampling/rounds", "dynamic_sampling/varied_groups", "reward/overlong_penalty/mean"),
+    "gspo.yaml": (),
+    "cispo.yaml": (),
+    "drgrpo.yaml": (),
+    "remax.yaml": ("reward/greedy_baseline/mean",),
+}
+ONE_TINY_STEP = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.max_new_tokens=4",
+                 "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16", "trainer.total_steps=1",
+                 "trainer.val_every=0", "trainer.val_samples=2", "trainer.progress=false")
+
+
+@pytest.mark.parametrize("conf", sorted(ALGORITHMS))
+def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
+    rlflow(tmp_path, "out", *ONE_TINY_STEP, conf=conf)
+    client, run = only_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    metrics = {k: dict(v) for k, v in history(client, run.info.run_id).items()}
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "critic/score/mean", *ALGORITHMS[conf]):
+        assert list(metrics[key]) == [1], key
+    # validation at the end: greedy, and mean@2 / pass@2 of two samples; pass@2 can only be higher
+    for key in ("val/arith/greedy_score", "val/arith/mean_at_2", "val/arith/pass_at_2"):
+        assert list(metrics[key]) == [1], key
+    assert metrics["val/arith/pass_at_2"][1] >= metrics["val/arith/mean_at_2"][1]
+    out = tmp_path / "out"
+    start, end = load_file(out / "warmstart" / "model.safetensors"), load_file(out / "hf_model" / "model.safetensors")
+    assert any(not torch.equal(start[k], end[k]) for k in start)
+    if conf == "dapo.yaml":  # dynamic sampling: bounded rounds; a short step is topped up and counted
+        rounds, varied = metrics["dynamic_sampling/rounds"][1], metrics["dynamic_sampling/varied_groups"][1]
+        assert 1 <= rounds <= 10
+        assert metrics["dynamic_sampling/topped_up_groups"][1] == max(0, 8 - varied)
+        assert rounds == 10 or varied >= 8
+        assert metrics["reward/overlong_penalty/mean"][1] <= 0

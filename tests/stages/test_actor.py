@@ -69,6 +69,21 @@ def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path, backen
     assert fresh.engine.scheduler.state_dict() == actor.engine.scheduler.state_dict()
 
 
+def test_remax_baseline_is_the_scored_greedy_answer(model_dir, data_files, tmp_path):
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score", "algorithm.advantage=remax",
+                             "rollout.samples_per_prompt=2", "data.max_prompt_tokens=16"])
+    actor, reward = ActorRollout(cfg, str(model_dir)), Reward(cfg)
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 16)
+    batch = actor.advantages(reward.score(actor.generate(RolloutRequest(prompts[:4], step=0))))
+    greedy = actor.generate(RolloutRequest(prompts[:4], step=0, greedy=True))
+    assert batch.baseline_responses == [r for r in greedy.responses for _ in range(2)]
+    expected = [float(len(r) % 2) for r in batch.baseline_responses]
+    assert batch.baseline_scores.tolist() == expected
+    torch.testing.assert_close(batch.advantages, (batch.scores - batch.baseline_scores)[:, None] * batch.response_mask)
+    assert greedy.baseline_responses == []  # validation requests carry no baseline
+
+
 def test_sft_update_lowers_the_loss(model_dir):
     cfg = load_config(None, [])
     actor = ActorRollout(cfg, str(model_dir))
