@@ -178,7 +178,8 @@ class NativeRollout:
             raise ValueError("empty prompt")
 
     def _admit(self, waiting: deque[_Seq], free: list[int]) -> list[_Seq]:
-        """Move waiting requests into free slots, within the padded prefill-token budget."""
+        """Move waiting requests into free slots, within the padded prefill-token budget; a prompt
+        longer than the budget is admitted alone and prefilled in chunks."""
         batch: list[_Seq] = []
         width = 0
         while waiting and free:
@@ -199,8 +200,12 @@ class NativeRollout:
         ids = ids.to(self.device)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         slots = torch.tensor([s.slot for s in batch], device=self.device)
-        hidden = self.model(ids, positions, self.cache, slots)  # [B, S, H]
-        last = torch.tensor(lens, device=self.device) - 1
+        # a prompt over the budget comes alone (see _admit) and goes in chunks: bounded activations
+        chunk = self.max_prefill_tokens
+        for start in range(0, ids.shape[1], chunk):
+            hidden = self.model(ids[:, start:start + chunk], positions[:, start:start + chunk], self.cache, slots,
+                                start)  # [B, S, H]
+        last = torch.tensor(lens, device=self.device) - 1 - start
         return self.model.logits(hidden[torch.arange(len(batch), device=self.device), last])
 
     def _decode(self, batch: list[_Seq]) -> torch.Tensor:

@@ -130,6 +130,7 @@ class AttnContext:
     sin: torch.Tensor  # [B, S, D]
     cache: KVCache | None = None
     slots: torch.Tensor | None = None  # [B] cache slot of each row (prefill)
+    start: int = 0  # prefill: tokens of these rows already in the cache (a later chunk of a long prompt)
     kv_lens: torch.Tensor | None = None  # [B] tokens already cached (decode: row i is slot i)
     mask: torch.Tensor | None = None  # [B, 1, 1, W] additive: 0 attend, -inf not (decode)
 
@@ -187,12 +188,17 @@ class Attention(nn.Module):
         q, k = rope(q, k, ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2))
         if ctx.kv_lens is not None:
             return self.o_proj(self._decode(q, k, v, ctx).reshape(B, S, -1))
-        if ctx.cache is not None:  # prefill: the prompt goes into its slot; attention is local
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
+        mask = None
+        if ctx.cache is not None:  # prefill: this chunk goes into its slots after `start` cached tokens
             assert ctx.cache.k is not None and ctx.cache.v is not None, "KV cache released"
-            ctx.cache.k[self.layer, ctx.slots, :, :S] = k.transpose(1, 2)
-            ctx.cache.v[self.layer, ctx.slots, :, :S] = v.transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, enable_gqa=True)
+            end = ctx.start + S
+            ctx.cache.k[self.layer, ctx.slots, :, ctx.start:end] = k
+            ctx.cache.v[self.layer, ctx.slots, :, ctx.start:end] = v
+            if ctx.start:  # a later chunk also attends over the cached prefix
+                k, v = ctx.cache.k[self.layer, ctx.slots, :, :end], ctx.cache.v[self.layer, ctx.slots, :, :end]
+                mask = torch.ones(S, end, dtype=torch.bool, device=q.device).tril(ctx.start)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
@@ -348,10 +354,11 @@ class NativeCausalLM(nn.Module):
         return loaded
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                slots: torch.Tensor | None = None) -> torch.Tensor:
+                slots: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
         """Final hidden states [B, S, H] for ids/positions [B, S]: a causal forward over
-        right-padded rows, which also writes each row's K/V into cache slot `slots[i]` (prefill)."""
-        return self._run(ids, AttnContext(*self._rope(positions), cache, slots))
+        right-padded rows, which also writes each row's K/V into cache slot `slots[i]` (prefill),
+        after `start` tokens already cached there (chunked prefill)."""
+        return self._run(ids, AttnContext(*self._rope(positions), cache, slots, start=start))
 
     def decode(self, ids: torch.Tensor, kv_lens: torch.Tensor, cache: KVCache, width: int) -> torch.Tensor:
         """One token per row, row i being cache slot i: ids and kv_lens [B] -> hidden [B, H].
@@ -364,7 +371,7 @@ class NativeCausalLM(nn.Module):
         mask = torch.zeros((), dtype=dtype, device=ids.device).masked_fill(
             cols[None, :] > kv_lens[:, None], float("-inf"))[:, None, None, :]  # [B, 1, 1, W]
         positions = kv_lens[:, None]
-        ctx = AttnContext(*self._rope(positions), cache, None, kv_lens, mask)
+        ctx = AttnContext(*self._rope(positions), cache, kv_lens=kv_lens, mask=mask)
         return self._run(ids[:, None], ctx)[:, 0]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

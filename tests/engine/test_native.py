@@ -158,3 +158,13 @@ def test_gumbel_sampling_follows_the_tempered_distribution():
     # 4-sigma band of a binomial proportion at n = 40000
     assert ((freq - want).abs() <= 4 * (want * (1 - want) / len(tokens)).sqrt()).all(), (freq, want)
     torch.testing.assert_close(logp, torch.log(want)[tokens])
+
+
+def test_chunked_prefill_of_long_prompts_matches_whole(model_dir, tok):
+    prompts = [tok.encode("123+456=579, 22+33=55, 7+8=15, 40+2="), tok.encode("1+1="), tok.encode("9+90=99, 3+")]
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    whole = NativeRollout(model_dir, tok, max_slots=4, max_len=64).generate(prompts, params)
+    chunked = NativeRollout(model_dir, tok, max_slots=4, max_len=64, max_prefill_tokens=8).generate(prompts, params)
+    for a, b in zip(whole, chunked):
+        assert a[0].token_ids == b[0].token_ids
+        torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
