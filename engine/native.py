@@ -102,12 +102,12 @@ class NativeRollout:
         self.device = weight.device
         cfg = self.model.config
         if memory_fraction > 0 and self.device.type == "cuda":
-            per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_len * head_dim(cfg) * weight.itemsize
+            per_slot = 2 * cfg.num_hidden_layers * self.model.kv_heads * max_len * head_dim(cfg) * weight.itemsize
             max_slots = min(max_slots, int(torch.cuda.mem_get_info(self.device)[0] * memory_fraction) // per_slot)
             if max_slots < 1:
                 raise ValueError(f"memory_fraction {memory_fraction} leaves no room for one {max_len}-token slot")
         self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
-        self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, cfg.num_key_value_heads, head_dim(cfg),
+        self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, self.model.kv_heads, head_dim(cfg),
                              weight.dtype, self.device)
         self.phase_s: dict[str, float] | None = None  # set to {} to profile generate (see _lap)
         self._lap_start = 0.0

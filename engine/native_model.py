@@ -1,9 +1,11 @@
 """Compact causal LM for the Qwen2 / Qwen2.5 / Qwen3 / Llama families, with a slot KV cache.
 
 Built from a HF `config.json`; module names mirror transformers' so HF parameter names map 1:1,
-except the two fused projections (`qkv_proj`, `gate_up_proj`). Each fused layer has a
-`weight_loader(param, tensor, shard)` (a method, so it survives `.to()` and `to_empty`) that
-knows which rows a HF tensor fills: layout knowledge sits next to the layer that owns it.
+except the two fused projections (`qkv_proj`, `gate_up_proj`). Tensor parallel over `TP.size`
+ranks: the fused projections are column parallel, `o_proj`/`down_proj` row parallel (summed by an
+all-reduce), the rest replicated. Each split layer has a `weight_loader(param, tensor, shard)`
+(a method, so it survives `.to()` and `to_empty`) that cuts this rank's piece from a full HF
+tensor: layout knowledge sits next to the layer that owns it.
 
 Invariants:
 - `forward` without a cache is a plain causal forward over right-padded rows;
@@ -30,27 +32,66 @@ PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
 
 
+@dataclass(frozen=True)
+class TP:
+    """This process's place in a tensor-parallel group (size 1 = no parallelism)."""
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed group; None = the default group
+
+
 def default_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"shape {tuple(tensor.shape)} does not fit parameter {tuple(param.shape)}")
     param.copy_(tensor)
 
 
-class FusedLinear(nn.Linear):
-    """Several HF projections of the same input stacked along the output dim (one matmul)."""
+def split(tensor: torch.Tensor, dim: int, tp: TP) -> torch.Tensor:
+    """This rank's contiguous 1/tp.size of `tensor` along `dim` (a view, no copy)."""
+    size = tensor.shape[dim] // tp.size
+    return tensor.narrow(dim, tp.rank * size, size)
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(shards.values()), bias=bias)
-        self.sizes = list(shards.values())
+
+class FusedLinear(nn.Linear):
+    """Column parallel: several HF projections of the same input, each split along its output
+    dim over the TP ranks, this rank's pieces stacked into one matmul."""
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool, tp: TP) -> None:
+        super().__init__(in_features, sum(shards.values()) // tp.size, bias=bias)
+        self.tp = tp
+        self.sizes = [size // tp.size for size in shards.values()]
         self.offsets, start = {}, 0
-        for name, size in shards.items():
+        for name, size in zip(shards, self.sizes):
             self.offsets[name] = (start, start + size)
             start += size
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
-        """Copy a HF tensor (weight or bias of projection `shard`) into its rows of `param`."""
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
+        """Copy this rank's rows of a full HF tensor (weight or bias of projection `shard`)."""
+        assert shard is not None, "a fused projection needs its shard name"
         start, end = self.offsets[shard]
-        default_loader(param.data[start:end], tensor)
+        default_loader(param.data[start:end], split(tensor, 0, self.tp))
+
+
+class RowLinear(nn.Linear):
+    """Row parallel: the input dim split over the TP ranks, partial outputs summed by all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP) -> None:
+        super().__init__(in_features // tp.size, out_features, bias=bias)
+        self.tp = tp
+
+    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
+        """The weight's columns of this rank; the bias whole on rank 0 and zero elsewhere, so the
+        all-reduce adds it once."""
+        if tensor.dim() == 2:
+            default_loader(param.data, split(tensor, 1, self.tp))
+        else:
+            default_loader(param.data, tensor if self.tp.rank == 0 else torch.zeros_like(tensor))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.tp.size > 1:
+            torch.distributed.all_reduce(out, group=self.tp.group)
+        return out
 
 
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -162,16 +203,16 @@ def head_dim(cfg: Any) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, layer: int) -> None:
+    def __init__(self, cfg: Any, layer: int, tp: TP) -> None:
         super().__init__()
         self.layer = layer
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.heads, self.kv_heads = cfg.num_attention_heads // tp.size, cfg.num_key_value_heads // tp.size
         self.head_dim = head_dim(cfg)
         qkv_bias = True if cfg.model_type == "qwen2" else bool(getattr(cfg, "attention_bias", False))
         o_bias = False if cfg.model_type == "qwen2" else bool(getattr(cfg, "attention_bias", False))
-        kv = self.kv_heads * self.head_dim
-        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.heads * self.head_dim, "k": kv, "v": kv}, qkv_bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        q, kv = cfg.num_attention_heads * self.head_dim, cfg.num_key_value_heads * self.head_dim
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv}, qkv_bias, tp)
+        self.o_proj = RowLinear(q, cfg.hidden_size, o_bias, tp)
         self.q_norm = self.k_norm = None
         if cfg.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -219,21 +260,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TP) -> None:
         super().__init__()
         inter = cfg.intermediate_size
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": inter, "up": inter}, bias=False)
-        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": inter, "up": inter}, False, tp)
+        self.down_proj = RowLinear(inter, cfg.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer: int) -> None:
+    def __init__(self, cfg: Any, layer: int, tp: TP) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -251,10 +292,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    """Embeddings, norms and lm_head are replicated over TP ranks; attention and MLP are split."""
+
+    def __init__(self, cfg: Any, tp: TP) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -270,7 +313,10 @@ def rope_theta(cfg: Any) -> float:
     return float(theta)
 
 
-def check_config(cfg: Any) -> None:
+def check_config(cfg: Any, tp: TP) -> None:
+    if cfg.num_key_value_heads % tp.size or cfg.intermediate_size % tp.size:
+        raise ValueError(f"tensor parallel size {tp.size} must divide num_key_value_heads "
+                         f"({cfg.num_key_value_heads}) and intermediate_size ({cfg.intermediate_size})")
     if cfg.model_type not in SUPPORTED:
         raise NotImplementedError(f"model_type '{cfg.model_type}' is not supported; native supports {SUPPORTED}")
     if getattr(cfg, "hidden_act", "silu") != "silu":
@@ -282,11 +328,12 @@ def check_config(cfg: Any) -> None:
 
 
 class NativeCausalLM(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TP = TP()) -> None:
         super().__init__()
-        check_config(cfg)
-        self.config = cfg
-        self.model = Backbone(cfg)
+        check_config(cfg, tp)
+        self.config, self.tp = cfg, tp
+        self.kv_heads = cfg.num_key_value_heads // tp.size  # this rank's, as its KV cache holds
+        self.model = Backbone(cfg, tp)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_dim = head_dim(cfg)
@@ -294,8 +341,9 @@ class NativeCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
-                        device: str | torch.device = "cpu") -> NativeCausalLM:
-        """Build from a HF directory: config via AutoConfig, weights from its safetensors files."""
+                        device: str | torch.device = "cpu", tp: TP = TP()) -> NativeCausalLM:
+        """Build from a HF directory: config via AutoConfig, weights (this rank's shards) from its
+        safetensors files."""
         from safetensors import safe_open
         from transformers import AutoConfig
 
@@ -307,7 +355,7 @@ class NativeCausalLM(nn.Module):
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
         with torch.device("meta"):  # no random init, no full-precision copy on the device
-            model = cls(cfg)
+            model = cls(cfg, tp)
         model = model.to_empty(device=device).to(dtype)
         loaded: set[str] = set()
         for f in files:
@@ -319,11 +367,12 @@ class NativeCausalLM(nn.Module):
         return model
 
     @classmethod
-    def from_module(cls, module: nn.Module) -> NativeCausalLM:
-        """A copy of a live HF causal LM (e.g. the trainer's), on its device and in its dtype."""
+    def from_module(cls, module: nn.Module, tp: TP = TP()) -> NativeCausalLM:
+        """A copy (this rank's shards) of a live HF causal LM, e.g. the trainer's, on its device
+        and in its dtype."""
         weight = next(module.parameters())
         with torch.device("meta"):
-            model = cls(module.config)
+            model = cls(module.config, tp)
         model = model.to_empty(device=weight.device).to(weight.dtype)
         missing = set(dict(model.named_parameters())) - model.load_weights(module.named_parameters())
         if missing:
@@ -331,8 +380,8 @@ class NativeCausalLM(nn.Module):
         return model
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors in (fused parameters take their shard through `weight_loader`);
-        returns the names of the parameters written."""
+        """Copy full HF-named tensors in, each through its layer's `weight_loader` when it has one
+        (fused and tensor-parallel layers cut their piece); returns the parameter names written."""
         params = dict(self.named_parameters())
         loaded = set()
         with torch.no_grad():
@@ -341,15 +390,15 @@ class NativeCausalLM(nn.Module):
                     continue  # recomputed / shared with embed_tokens
                 parts = name.split(".")
                 i = next((i for i, p in enumerate(parts) if p in PACKED), None)
-                if i is None:
+                shard = None
+                if i is not None:
+                    parts[i], shard = PACKED[parts[i]]
+                    name = ".".join(parts)
+                loader = getattr(self.get_submodule(".".join(parts[:-1])), "weight_loader", None)
+                if loader is None:
                     default_loader(params[name], tensor)
-                    loaded.add(name)
-                    continue
-                target, shard = PACKED[parts[i]]
-                name = ".".join([*parts[:i], target, *parts[i + 1:]])
-                fused = self.get_submodule(".".join([*parts[:i], target]))
-                assert isinstance(fused, FusedLinear)
-                fused.weight_loader(params[name], tensor, shard)
+                else:
+                    loader(params[name], tensor, shard)
                 loaded.add(name)
         return loaded
 
