@@ -143,7 +143,10 @@ class NativeRollout:
                 running = running + admitted
                 tokens, logprobs = sample(logits, params, generator)
                 self._lap("sample")
-                for seq, tok, lp in zip(stepped, tokens.tolist(), logprobs.tolist()):
+                logprobs_list = logprobs.tolist()
+                if any(lp != lp for lp in logprobs_list):  # NaN: sampling from it would be noise
+                    raise FloatingPointError("the policy's logits are NaN: its weights hold non-finite values")
+                for seq, tok, lp in zip(stepped, tokens.tolist(), logprobs_list):
                     seq.tokens.append(tok)
                     seq.logprobs.append(lp)
                     seq.finish = self._finish(seq, stops, params)
@@ -178,35 +181,55 @@ class NativeRollout:
             raise ValueError("empty prompt")
 
     def _admit(self, waiting: deque[_Seq], free: list[int]) -> list[_Seq]:
-        """Move waiting requests into free slots, within the padded prefill-token budget; a prompt
-        longer than the budget is admitted alone and prefilled in chunks."""
+        """Move waiting requests into free slots while their distinct prompts fit the padded
+        prefill-token budget; a prompt longer than the budget comes alone (and is chunked)."""
         batch: list[_Seq] = []
+        prompts: set[int] = set()  # ids of the distinct prompt lists admitted (samples share one)
         width = 0
         while waiting and free:
-            width = max(width, len(waiting[0].prompt))
-            if batch and (len(batch) + 1) * width > self.max_prefill_tokens:
+            seq = waiting[0]
+            width = max(width, len(seq.prompt))
+            if batch and len(prompts | {id(seq.prompt)}) * width > self.max_prefill_tokens:
                 break
-            seq = waiting.popleft()
+            prompts.add(id(waiting.popleft().prompt))
             seq.slot = free.pop()
             batch.append(seq)
         return batch
 
     def _prefill(self, batch: list[_Seq]) -> torch.Tensor:
-        """Write prompts into their slots; logits [B, V] at each prompt's last token."""
-        lens = [len(s.prompt) for s in batch]
-        ids = torch.zeros(len(batch), max(lens), dtype=torch.long)  # right-padded; pads never attended
-        for i, s in enumerate(batch):
+        """Write prompts into their slots; logits [B, V] at each prompt's last token. A prompt's
+        samples share one prefill: its K/V is copied to their slots."""
+        first: dict[int, int] = {}  # id(prompt) -> row of its prefill
+        rows: list[_Seq] = []  # one sequence per distinct prompt
+        for s in batch:
+            if id(s.prompt) not in first:
+                first[id(s.prompt)] = len(rows)
+                rows.append(s)
+        lens = [len(s.prompt) for s in rows]
+        ids = torch.zeros(len(rows), max(lens), dtype=torch.long)  # right-padded; pads never attended
+        for i, s in enumerate(rows):
             ids[i, :lens[i]] = torch.tensor(s.prompt)
         ids = ids.to(self.device)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        slots = torch.tensor([s.slot for s in batch], device=self.device)
+        slots = torch.tensor([s.slot for s in rows], device=self.device)
         # a prompt over the budget comes alone (see _admit) and goes in chunks: bounded activations
         chunk = self.max_prefill_tokens
         for start in range(0, ids.shape[1], chunk):
             hidden = self.model(ids[:, start:start + chunk], positions[:, start:start + chunk], self.cache, slots,
-                                start)  # [B, S, H]
+                                start)  # [P, S, H]
+        owner = torch.tensor([first[id(s.prompt)] for s in batch], device=self.device)  # [B]
+        self._share(slots[owner], torch.tensor([s.slot for s in batch], device=self.device), max(lens))
         last = torch.tensor(lens, device=self.device) - 1 - start
-        return self.model.logits(hidden[torch.arange(len(batch), device=self.device), last])
+        return self.model.logits(hidden[torch.arange(len(rows), device=self.device), last])[owner]
+
+    def _share(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
+        """Copy the first `width` cached positions of slots `src` into slots `dst` (all layers)."""
+        assert self.cache.k is not None and self.cache.v is not None
+        copy = src != dst
+        if copy.any():
+            src, dst = src[copy], dst[copy]
+            self.cache.k[:, dst, :, :width] = self.cache.k[:, src, :, :width]
+            self.cache.v[:, dst, :, :width] = self.cache.v[:, src, :, :width]
 
     def _decode(self, batch: list[_Seq]) -> torch.Tensor:
         """Feed each sequence's last token; logits [B, V] for the next one.

@@ -209,3 +209,13 @@ def test_tensor_parallel_generation_matches_one_process(model_dir, tok, tmp_path
             assert [c.token_ids for c in got] == [c.token_ids for c in flat]
             for a, b in zip(got, flat):
                 torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_nan_weights_stop_generation_with_a_clear_error(model_dir, tok):
+    model = NativeCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    engine = NativeRollout(model, tok, max_slots=2, max_len=32)
+    for params in (SamplingParams(max_new_tokens=4), SamplingParams(temperature=0, max_new_tokens=4)):
+        with pytest.raises(FloatingPointError, match="NaN"):
+            engine.generate([tok.encode("1+1=")], params)
