@@ -259,3 +259,19 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     logits = logits.float()  # no copy when already float32
     picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [N, T]
     return picked - torch.logsumexp(logits, dim=-1)
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 0 < k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset holds a correct sample
+        return 1.0
+    # The product form avoids the huge binomials: C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k/i).
+    miss = 1.0
+    for i in range(n - c + 1, n + 1):
+        miss *= 1.0 - k / i
+    return 1.0 - miss

@@ -20,6 +20,7 @@ from engine.algos import (
     kl_penalty,
     masked_mean,
     masked_whiten,
+    pass_at_k,
     policy_loss,
     reinforce_pp_returns,
     token_logprobs,
@@ -354,3 +355,15 @@ def test_token_logprobs_upcasts_to_float32() -> None:
     assert out.dtype == torch.float32
     expected = torch.log_softmax(logits.float(), dim=-1)[..., 0]
     torch.testing.assert_close(out, expected)
+
+
+def test_pass_at_k_hand_computed() -> None:
+    # 1 - C(n-c, k) / C(n, k), worked out by hand
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2)=3, C(4,2)=6
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # C(3,2)=3, C(5,2)=10
+    assert pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # C(7,5)=21, C(10,5)=252
+    assert pass_at_k(4, 3, 1) == pytest.approx(0.75)  # pass@1 is the fraction correct
+    assert pass_at_k(3, 2, 2) == 1.0  # any 2 of 3 include a correct one
+    assert pass_at_k(8, 0, 8) == 0.0
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
