@@ -1,7 +1,7 @@
 """Screenshot the MLflow UI comparing runs' reward curves (docs/img/mlflow_compare.png).
 
     python docs/screenshot_mlflow.py --tracking-uri sqlite:///mlflow.db --experiment compare \
-        --out docs/img/mlflow_compare.png
+        --out docs/img/mlflow_compare.png --crop-right 360
 
 Starts `mlflow server` on 127.0.0.1 over the given store, opens the metric page of every run in
 the experiment (one chart, one curve per run) in headless Chromium and saves the screenshot. Needs
@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--experiment", required=True)
     ap.add_argument("--metric", default="critic/score/mean")
     ap.add_argument("--out", default="docs/img/mlflow_compare.png")
+    ap.add_argument("--crop-right", type=int, default=0,
+                    help="pixels cut off the right edge (MLflow 3 opens its assistant panel there)")
     args = ap.parse_args()
     client = MlflowClient(args.tracking_uri)
     experiment = client.get_experiment_by_name(args.experiment)
@@ -102,6 +104,11 @@ def main() -> None:
     runs = [r.info.run_id for r in client.search_runs([experiment.experiment_id], order_by=["start_time ASC"])]
     with tempfile.TemporaryDirectory() as artifacts, mlflow_server(args.tracking_uri, artifacts) as url:
         screenshot(metric_page(url, experiment.experiment_id, runs, args.metric), args.out)
+    if args.crop_right:
+        from PIL import Image  # with matplotlib: pip install -e '.[docs]'
+
+        image = Image.open(args.out)
+        image.crop((0, 0, image.width - args.crop_right, image.height)).save(args.out)
     print(f"wrote {args.out}: {args.metric} of {len(runs)} runs")
 
 
