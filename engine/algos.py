@@ -185,8 +185,8 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float)
 
 def pass_at_k(n: int, correct: int, k: int) -> float:
     """Unbiased pass@k from n samples with ``correct`` right (Chen et al., 2021): 1 - C(n-c, k) / C(n, k)."""
-    if not 0 < k <= n:
-        raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
+    if not 0 <= correct <= n or not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 <= correct <= n and 0 < k <= n, got n={n}, correct={correct}, k={k}")
     if n - correct < k:
         return 1.0  # every k-subset holds a correct sample
     # The product form of the binomial ratio stays finite for large n.

@@ -127,6 +127,7 @@ class TrainerConfig:
     max_consecutive_skips: int = 5  # stop after this many non-finite optimizer steps in a row; 0 never
     experiment: str = "rlflow"
     run_name: str = ""
+    register_model: str = ""  # Model Registry name for the exported policy; "" = don't register
     progress: bool = True
 
 

@@ -91,7 +91,8 @@ def _fields(row: dict) -> tuple[list[dict], str, str, dict | None]:
     return messages, data_source, truth, extra_info
 
 
-def _read(path: str) -> list[dict]:
+def read_rows(path: str) -> list[dict]:
+    """The raw rows of one parquet/jsonl/json file, as dicts."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     fmt = FORMATS.get(Path(path).suffix)
@@ -111,7 +112,7 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_tokens: int,
     counts: Counter[str] = Counter(rows=0, kept=0, overlong=0, malformed=0)
     prompts = []
     for path in map(str, files):
-        for index, row in enumerate(_read(path)):
+        for index, row in enumerate(read_rows(path)):
             counts["rows"] += 1
             try:
                 messages, data_source, truth, extra_info = _fields(row)

@@ -15,6 +15,8 @@ Invariants:
   retries: with the default MLFLOW_HTTP_REQUEST_MAX_RETRIES=7 that is about 4 minutes, so training
   jobs should set it low (e.g. 2).
 - One `log_batch` call per step (split only past MLflow's 1000-metrics-per-batch cap).
+- Datasets are logged as run inputs (name, digest, source path) with their context (train, val,
+  eval); the exported model is registered only when asked, as a transformers-flavor model.
 - Names are sanitised to what MLflow accepts (`val/arith/acc` passes unchanged); param values are
   truncated with a visible "..." marker; params already on the run with the same value are
   skipped, so resuming a run does not error.
@@ -30,14 +32,17 @@ import math
 import numbers
 import os
 import re
+import tempfile
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking.context.registry import resolve_tags
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 from mlflow.utils.validation import (
     MAX_ENTITY_KEY_LENGTH,
     MAX_METRICS_PER_BATCH,
@@ -218,6 +223,47 @@ class Tracker:
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self._log_batches("tags", [RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_datasets(self, files: Mapping[str, list[str]]) -> None:
+        """Each data file as a run input, tagged with its context ({"train": [paths], "val": [...]})."""
+        import pandas as pd
+        from mlflow.data.pandas_dataset import from_pandas
+
+        from engine.data import read_rows
+
+        inputs = []
+        for context, paths in files.items():
+            for path in paths:
+                with warnings.catch_warnings():  # MLflow registers its local-file source twice and says so
+                    warnings.filterwarnings("ignore", "The specified dataset source can be interpreted")
+                    dataset = from_pandas(pd.DataFrame(read_rows(path)), source=os.path.abspath(path),
+                                          name=os.path.basename(path))
+                tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)]
+                inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags))
+        self._guard(self.client.log_inputs, self._run_id, datasets=inputs)
+
+    def register_model(self, hf_dir: str, name: str) -> str:
+        """Log a HF directory as a transformers-flavor model under `model/` and register it as a new
+        version of `name` in the Model Registry; returns the version. Raises when registration fails."""
+        import mlflow.transformers
+        import torch
+        import transformers
+
+        path = os.path.abspath(hf_dir)  # an absolute path is never looked up as a Hub repo id
+        parts = {"model": transformers.AutoModelForCausalLM.from_pretrained(path),
+                 "tokenizer": transformers.AutoTokenizer.from_pretrained(path)}
+        # Stated, not inferred: MLflow's inference probes the environment in a subprocess and wants torchvision.
+        requirements = [f"transformers=={transformers.__version__}", f"torch=={torch.__version__.split('+')[0]}"]
+        with tempfile.TemporaryDirectory() as tmp:
+            mlflow.transformers.save_model(parts, f"{tmp}/model", task="text-generation",
+                                           pip_requirements=requirements)
+            self.client.log_artifacts(self._run_id, f"{tmp}/model", "model")
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        return str(self.client.create_model_version(name, f"runs:/{self._run_id}/model", self._run_id).version)
 
     def finish(self, status: str = "FINISHED") -> None:
         """End the run (FINISHED, FAILED or KILLED). A second call does nothing."""

@@ -4,6 +4,7 @@
     rlflow config [CONFIG.yaml] [key=value ...]  print the resolved config as YAML
     rlflow export CHECKPOINT|OUTPUT_DIR DEST      write a checkpoint's policy as a HF directory
     rlflow data {gsm8k,math} SRC DST              convert GSM8K/MATH-style rows to rlflow rows
+    rlflow eval MODEL [CONFIG.yaml] [key=value ...]  accuracy, mean@k, pass@k of a checkpoint or HF dir
 
 The driver owns the MLflow run (attaching to MLFLOW_RUN_ID when `mlflow run` set it, or to the
 run of the checkpoint it resumes), starts or joins Ray (RAY_ADDRESS joins a cluster, as under
@@ -44,21 +45,27 @@ def parse(args: list[str]) -> Config:
     return load_config(path, args[1:] if path else args)
 
 
-def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
-    """The model directory and data files, building the embedded ones on first use."""
+def resolve_files(cfg: Config) -> dict[str, list[str]]:
+    """{"train": [...], "val": [...]} data files, building the embedded ones on first use."""
     from engine.data import embedded_files
-    from engine.task import build_model
 
     root = Path(cfg.trainer.output_dir) / "embedded"
+    built = embedded_files(root, cfg.trainer.seed) if EMBEDDED in cfg.data.train_files + cfg.data.val_files else {}
+    return {split: [built[split] if f == EMBEDDED else f for f in getattr(cfg.data, f"{split}_files")]
+            for split in ("train", "val")}
+
+
+def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
+    """The model directory and data files, building the embedded ones on first use."""
+    from engine.task import build_model
+
     model = cfg.model.path
     if model == EMBEDDED:
+        root = Path(cfg.trainer.output_dir) / "embedded"
         model = str(root / "model")
         if not (root / "model" / "config.json").is_file():
             build_model(root / "model", seed=cfg.trainer.seed)
-    built = embedded_files(root, cfg.trainer.seed) if EMBEDDED in cfg.data.train_files + cfg.data.val_files else {}
-    files = {split: [built[split] if f == EMBEDDED else f for f in getattr(cfg.data, f"{split}_files")]
-             for split in ("train", "val")}
-    return model, files
+    return model, resolve_files(cfg)
 
 
 def init_ray(cfg: Config) -> None:
@@ -98,10 +105,6 @@ def train(cfg: Config) -> dict[str, str]:
     from pipelines.sft import warm_start
 
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
-    # MLflow's HTTP client retries a dead server for minutes per call by default; the tracker
-    # buffers through outages instead, so fail fast.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     model_path, files = resolve_inputs(cfg)
     previous = resumed_run_id(cfg)
     if previous and "MLFLOW_RUN_ID" not in os.environ:
@@ -113,10 +116,14 @@ def train(cfg: Config) -> dict[str, str]:
     try:
         tracker.log_params(to_dict(cfg))
         tracker.log_dict(to_dict(cfg), "config.yaml")
+        tracker.log_datasets(files)
         init_ray(cfg)
         if cfg.warmstart.steps:
             model_path = warm_start(cfg, model_path, files["train"], tracker)
         export = grpo.train(cfg, model_path, files, tracker)
+        if cfg.trainer.register_model:
+            version = tracker.register_model(str(export), cfg.trainer.register_model)
+            print(f"rlflow: registered {export} as model '{cfg.trainer.register_model}' version {version}")
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -130,23 +137,62 @@ def train(cfg: Config) -> dict[str, str]:
     return summary
 
 
+def find_model(source: str) -> Path:
+    """The HF directory `source` names: a complete checkpoint, the newest one under a run's
+    output_dir, or a HF model directory (checkpoints are HF directories too)."""
+    path = Path(source)
+    if (path / "checkpoints").is_dir():
+        found = checkpoint.find_resume(path / "checkpoints", "auto")
+        path = found or path
+    if (path / "COMPLETE").is_file():
+        reason = checkpoint.problem(path)
+        if reason:
+            raise FileNotFoundError(f"{path}: {reason}")
+    elif not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{source} is neither a complete checkpoint, a run directory holding one, "
+                                "nor a HF model directory")
+    return path
+
+
 def export(source: str, dest: str) -> Path:
     """A checkpoint (or the newest complete one under a run's output_dir) as a HF directory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(source)
-    if not (path / "COMPLETE").is_file():
-        found = checkpoint.find_resume(path / "checkpoints", "auto")
-        if found is None:
-            raise FileNotFoundError(f"{source} is neither a complete checkpoint nor a run directory holding one")
-        path = found
-    reason = checkpoint.problem(path)
-    if reason:
-        raise FileNotFoundError(f"{path}: {reason}")
+    path = find_model(source)
     AutoModelForCausalLM.from_pretrained(path).save_pretrained(dest)
     AutoTokenizer.from_pretrained(path).save_pretrained(dest)
     print(f"rlflow: exported {path} to {dest}")
     return path
+
+
+def run_eval(source: str, cfg: Config) -> dict[str, float]:
+    """`rlflow eval`: score a model on `data.val_files` in its own tracked run; prints a summary."""
+    from pipelines.eval import evaluate
+
+    model_dir = find_model(source)
+    files = resolve_files(cfg)["val"]
+    tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or f"eval {model_dir.name}",
+                      tags={"job": "eval", "model": str(model_dir.resolve()), "git_commit": git_commit(),
+                            "dataset_hash": dataset_hash(files)})
+    status = "FAILED"
+    try:
+        d = to_dict(cfg)
+        tracker.log_params({"eval": {"source": source, "model_dir": str(model_dir.resolve())},
+                            "model": {"dtype": cfg.model.dtype}, **{k: d[k] for k in ("data", "rollout", "reward")}})
+        tracker.log_datasets({"eval": files})
+        metrics = evaluate(cfg, model_dir, files, tracker)
+        status = "FINISHED"
+    finally:
+        tracker.finish(status)
+    k = cfg.rollout.samples_per_prompt
+    print(f"{'data_source':<24}{'prompts':>8}{'accuracy':>10}{f'mean@{k}':>10}{'pass@1':>10}{f'pass@{k}':>10}")
+    for prefix in sorted(key[:-len("accuracy")] for key in metrics if key.endswith("/accuracy")):
+        name = prefix[len("eval/"):-1] or "all"
+        print(f"{name:<24}{metrics[prefix + 'prompts']:>8.0f}" + "".join(
+            f"{metrics[prefix + key]:>10.3f}" for key in ("accuracy", f"mean_at_{k}", "pass_at_1", f"pass_at_{k}")))
+    print(f"rlflow: eval run {tracker.run_id} in experiment '{cfg.trainer.experiment}'; "
+          f"tracking URI {tracker.tracking_uri}")
+    return metrics
 
 
 def dataset_hash(files: list[str]) -> str:
@@ -175,7 +221,14 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--data-source", default=None)
     data.add_argument("--instruction", default=None, help="appended to each question")
     data.add_argument("--split", default="train")
+    ev = sub.add_parser("eval", help="accuracy, mean@k and pass@k of a checkpoint or HF directory on data.val_files")
+    ev.add_argument("source", help="a checkpoint directory, a run's trainer.output_dir, or a HF model directory")
+    ev.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
     ns = parser.parse_args(argv)
+    # MLflow's HTTP client retries a dead server for minutes per call by default; the tracker
+    # buffers through outages instead, so fail fast.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     if ns.command == "data":
         from engine.convert import convert
 
@@ -199,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2
+    if ns.command == "eval":
+        try:
+            run_eval(ns.source, cfg)
+        except FileNotFoundError as e:
+            print(f"rlflow: {e}", file=sys.stderr)
+            return 2
+        return 0
     if ns.command == "config":
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0

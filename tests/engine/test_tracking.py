@@ -19,6 +19,7 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
+from transformers import AutoModelForCausalLM
 
 from engine import tracking
 from engine.tracking import Tracker, flatten, sanitise_name
@@ -282,3 +283,41 @@ def test_outage_buffers_metrics_warns_once_and_flushes_after_restart(
     client = MlflowClient(server.url)
     assert history(client, t.run_id, "actor/entropy") == [(s, float(s)) for s in range(5)]
     assert client.get_run(t.run_id).info.status == "FINISHED"
+
+
+def test_datasets_are_run_inputs_with_digest_source_and_context(uri: str, data_files: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    jsonl = tmp_path / "extra.jsonl"
+    jsonl.write_text('{"data_source": "arith", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}}\n')
+    t = Tracker("inputs", tracking_uri=uri, system_metrics=False)
+    t.log_datasets({"train": [data_files["train"], str(jsonl)], "val": [data_files["val"]]})
+    t.finish()
+
+    inputs = MlflowClient(uri).get_run(t.run_id).inputs.dataset_inputs
+    got = {(i.dataset.name, i.tags[0].value): i.dataset for i in inputs}
+    assert set(got) == {("train.parquet", "train"), ("extra.jsonl", "train"), ("val.parquet", "val")}
+    train = got["train.parquet", "train"]
+    assert train.source_type == "local" and data_files["train"] in train.source
+    assert '"num_rows": 512' in train.profile and len(train.digest) == 8
+    assert got["val.parquet", "val"].digest != train.digest
+
+
+def test_register_model_makes_a_loadable_transformers_model_version(
+    uri: str, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlflow.transformers
+
+    versions = []
+    for _ in range(2):  # a second registration adds a version to the same model
+        t = Tracker("registry", tracking_uri=uri, system_metrics=False)
+        versions.append(t.register_model(str(model_dir), "tiny-policy"))
+        t.finish()
+    client = MlflowClient(uri)
+    assert versions == ["1", "2"]
+    latest = client.get_model_version("tiny-policy", "2")
+    assert latest.run_id == t.run_id and latest.status == "READY"
+    flavors = client.download_artifacts(t.run_id, "model/MLmodel")
+    assert "transformers:" in Path(flavors).read_text() and "task: text-generation" in Path(flavors).read_text()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # models:/ URIs resolve through the tracking URI
+    parts = mlflow.transformers.load_model("models:/tiny-policy/2", return_type="components")
+    assert parts["model"].num_parameters() == AutoModelForCausalLM.from_pretrained(model_dir).num_parameters()

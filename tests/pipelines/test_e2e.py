@@ -59,7 +59,7 @@ def only_run(tmp_path: Path, experiment: str = "rlflow"):
 @pytest.fixture(scope="module")
 def compiled_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compiled")
-    rlflow(tmp, "out")
+    rlflow(tmp, "out", "trainer.register_model=smoke-policy")
     return tmp
 
 
@@ -78,6 +78,10 @@ def test_compiled_run_learns_logs_and_exports(compiled_run):
     assert {"config.yaml", "checkpoints", "hf_model", "samples"} <= top
     tables = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
     assert "samples/step_000003.json" in tables
+    inputs = {(i.dataset.name, i.tags[0].value) for i in run.inputs.dataset_inputs}
+    assert inputs == {("train.parquet", "train"), ("val.parquet", "val")}
+    [version] = client.search_model_versions("name='smoke-policy'")
+    assert version.run_id == run.info.run_id and version.source == f"runs:/{run.info.run_id}/model"
     # the policy moved away from the warm-start it began with
     out = compiled_run / "out"
     start, end = load_file(out / "warmstart" / "model.safetensors"), load_file(out / "hf_model" / "model.safetensors")
@@ -99,6 +103,25 @@ def test_export_turns_the_latest_checkpoint_into_a_hf_directory(compiled_run, tm
     bad = subprocess.run([str(BIN / "rlflow"), "export", str(tmp_path / "nothing"), str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "neither a complete checkpoint" in bad.stderr
+
+
+def test_eval_of_the_run_directory_matches_the_final_validation(compiled_run):
+    out = compiled_run / "out"
+    # the run's own config, reward and validation prompts, in one generate call as validation made
+    reward = f"reward.function={compiled_run}/length_reward.py:compute_score"
+    proc = subprocess.run([str(BIN / "rlflow"), "eval", str(out), str(ROOT / "conf" / "smoke.yaml"), reward,
+                           f"trainer.output_dir={out}", "data.prompts_per_step=16", "actor.mini_batch_prompts=16",
+                           "trainer.experiment=eval"],
+                          env=env(compiled_run), cwd=compiled_run, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    client, run = only_run(compiled_run, "eval")
+    assert run.data.tags["model"] == str((out / "checkpoints" / "step_000003").resolve())
+    m = run.data.metrics
+    assert m["eval/arith/prompts"] == 16
+    _, train = only_run(compiled_run)
+    # greedy decoding of the final checkpoint: the same answers, so the same score, as the final validation
+    assert m["eval/arith/accuracy"] == train.data.metrics["val/arith/greedy_score"]
+    assert 0 <= m["eval/arith/pass_at_1"] <= m["eval/arith/pass_at_2"] <= m["eval/arith/pass_at_4"] <= 1
 
 
 def test_plain_mode_gives_identical_metrics(compiled_run, tmp_path):
