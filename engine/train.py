@@ -74,6 +74,19 @@ def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
     return bins
 
 
+def balance(loads: list[float], parts: int) -> list[list[int]]:
+    """Indices of `loads` in `parts` parts of equal count (len divisible by parts) with near-equal
+    sums: heaviest first, each onto the lightest part that still has room (greedy largest-first)."""
+    size = len(loads) // parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    sums = [0.0] * parts
+    for i in sorted(range(len(loads)), key=lambda i: -loads[i]):
+        part = min((p for p in range(parts) if len(out[p]) < size), key=lambda p: sums[p])
+        out[part].append(i)
+        sums[part] += loads[i]
+    return out
+
+
 def all_reduce_sum(value: float) -> float:
     if not (dist.is_available() and dist.is_initialized()):
         return value

@@ -2,8 +2,15 @@ import pytest
 import torch
 
 from engine import algos
-from engine.train import (TrainEngine, chunked_token_stats, first_fit_decreasing, forward_logprobs, lr_lambda,
-                          micro_batches)
+from engine.train import (
+    TrainEngine,
+    balance,
+    chunked_token_stats,
+    first_fit_decreasing,
+    forward_logprobs,
+    lr_lambda,
+    micro_batches,
+)
 
 
 def test_padded_micro_batches_respect_budget_and_cover_rows():
@@ -20,6 +27,14 @@ def test_packed_micro_batches_hold_real_tokens_within_budget():
     assert sorted(r for c in chunks for r in c.tolist()) == list(range(6))
     assert [int(mask[c].sum()) for c in chunks] == [10, 10, 7]  # 27 tokens in the fewest bins of 10
     assert first_fit_decreasing([12, 3], 10) == [[0], [1]]  # too long for the budget: alone
+
+
+def test_balance_splits_equal_counts_with_near_equal_loads():
+    loads = [900, 60, 500, 480, 70, 950, 55, 65]
+    parts = balance(loads, 2)
+    assert sorted(i for p in parts for i in p) == list(range(8)) and [len(p) for p in parts] == [4, 4]
+    sums = sorted(sum(loads[i] for i in p) for p in parts)
+    assert sums == [1530, 1550]  # contiguous halves would be 1940 / 1140
 
 
 def padded_batch(prompt_lens, response_lens, vocab=90):
