@@ -154,8 +154,11 @@ def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, position
 
 def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                       responses: torch.Tensor, temperature: float, budget: int, with_entropy: bool = False,
-                      pack: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """No-grad response logprobs [N, R] (and entropy [N, R]) on the CPU, in token-budget micro-batches."""
+                      pack: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No-grad response logprobs [N, R] (and entropy [N, R]) on the CPU, in token-budget micro-batches.
+
+    Padded unless asked: a caller's budget may be sized for logits, and a packed row's SDPA mask
+    grows with the square of the budget."""
     logps = torch.zeros(responses.shape)
     ents = torch.zeros(responses.shape)
     with torch.no_grad():
