@@ -5,9 +5,17 @@ SUM-reduced across ranks. Losses divide by the global (all-rank) token or sequen
 the summed gradient equals the single-process gradient of the whole mini-batch, whatever the
 number of ranks or micro-batches.
 
+Forward: with packing, a micro-batch's real tokens go end to end in one row, position ids
+restarting at 0 per sequence and no attention mask; transformers reads the sequence boundaries
+from the position ids (flash-attn's varlen kernels when installed, else SDPA with a
+block-diagonal causal mask). The lm_head runs a chunk of tokens at a time, so full fp32 logits
+[tokens, vocab] never exist; under autograd each chunk is recomputed in backward.
+
 Invariants:
 - `logprobs` of the response equals what the rollout reported, up to kernel noise;
-- micro-batches never exceed `micro_batch_tokens_per_gpu` padded tokens;
+- packed and padded forwards give the same logprobs, entropies and gradients;
+- micro-batches never exceed `micro_batch_tokens_per_gpu` tokens (real tokens when packing,
+  rows x width when padded) unless one sequence alone does;
 - a non-finite loss or gradient never reaches the weights: the step is skipped and counted.
 """
 
@@ -15,15 +23,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
+from transformers.utils import is_flash_attn_2_available
 
 from engine import algos
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
 
 
 def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
@@ -38,10 +50,41 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
     return fn
 
 
-def micro_batches(rows: int, width: int, budget: int) -> list[slice]:
-    """Consecutive row ranges of padded size (rows x width) within `budget` tokens (>= 1 row)."""
-    per = max(1, budget // width)
-    return [slice(i, min(i + per, rows)) for i in range(0, rows, per)]
+def micro_batches(mask: torch.Tensor, budget: int, pack: bool) -> list[torch.Tensor]:
+    """Row indices of each micro-batch of `mask` [N, L]: packed, sequences grouped by real length
+    (first-fit decreasing); padded, consecutive rows of rows x L <= budget (>= 1 row)."""
+    if pack:
+        return [torch.tensor(rows) for rows in first_fit_decreasing(mask.sum(1).tolist(), budget)]
+    per = max(1, budget // mask.shape[1])
+    return [torch.arange(i, min(i + per, len(mask))) for i in range(0, len(mask), per)]
+
+
+def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
+    """Indices of `sizes` in bins of total <= budget; an item larger than the budget gets its own bin."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        fit = next((b for b, load in enumerate(loads) if load + sizes[i] <= budget), None)
+        if fit is None:
+            bins.append([])
+            loads.append(0)
+            fit = len(bins) - 1
+        bins[fit].append(i)
+        loads[fit] += sizes[i]
+    return bins
+
+
+def balance(loads: list[float], parts: int) -> list[list[int]]:
+    """Indices of `loads` in `parts` parts of equal count (len divisible by parts) with near-equal
+    sums: heaviest first, each onto the lightest part that still has room (greedy largest-first)."""
+    size = len(loads) // parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    sums = [0.0] * parts
+    for i in sorted(range(len(loads)), key=lambda i: -loads[i]):
+        part = min((p for p in range(parts) if len(out[p]) < size), key=lambda p: sums[p])
+        out[part].append(i)
+        sums[part] += loads[i]
+    return out
 
 
 def all_reduce_sum(value: float) -> float:
@@ -53,35 +96,85 @@ def all_reduce_sum(value: float) -> float:
     return float(t.item())
 
 
-def response_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                    positions: torch.Tensor, response_len: int) -> torch.Tensor:
-    """Float32 logits that predict each response token: [n, R, V]."""
+def attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """flash-attn takes packed rows as varlen sequences; without it, SDPA with a block mask."""
+    if device.type == "cuda" and dtype != torch.float32 and is_flash_attn_2_available():
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                    valid: torch.Tensor, pack: bool) -> torch.Tensor:
+    """Final hidden states [M, H] at the positions that predict the M valid response tokens.
+
+    ids, mask, positions: [n, L] on the model's device, prompt left- and response right-padded;
+    valid: [n, R] bool, the response mask.
+    """
+    width = valid.shape[1]
+    if not pack:
+        out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+        return out.last_hidden_state[:, -width - 1:-1][valid]
+    real = mask.bool()
+    out = model.base_model(input_ids=ids[real][None], position_ids=positions[real][None], use_cache=False)
+    at = (real.flatten().cumsum(0) - 1).view(real.shape)[:, -width - 1:-1]  # [n, R] index into the packed row
+    return out.last_hidden_state[0, at[valid]]
+
+
+def chunked_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                        entropy: bool = True, chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target [M] and softmax entropy [M] (zeros unless `entropy`) of hidden [M, H]
+    through `head`, `chunk` tokens at a time; under autograd a chunk's logits are recomputed in backward."""
+    def stats(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = head(h).float() / temperature  # [c, V]
+        logp = algos.token_logprobs(logits, t)
+        return logp, (algos.entropy_from_logits(logits) if entropy else torch.zeros_like(logp))
+
+    run = partial(checkpoint, stats, use_reentrant=False) if torch.is_grad_enabled() else stats
+    parts = [run(hidden[i:i + chunk], targets[i:i + chunk]) for i in range(0, len(hidden), chunk)]
+    if not parts:
+        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                     responses: torch.Tensor, temperature: float, pack: bool, entropy: bool = True,
+                     chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trainer's forward: response logprobs and entropies [n, R] in float32 on the model's
+    device, 0 where the response is padding (entropy 0 unless asked for).
+    ids/mask/positions: [n, P+R]; responses: [n, R]."""
     device = next(model.parameters()).device
-    out = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                position_ids=positions.to(device), use_cache=False)
-    return out.logits[:, -response_len - 1:-1].float()
+    ids, mask, positions, responses = (x.to(device) for x in (ids, mask, positions, responses))
+    valid = mask[:, -responses.shape[1]:].bool()  # [n, R]
+    hidden = response_hidden(model, ids, mask, positions, valid, pack)
+    logp, ent = chunked_token_stats(model.get_output_embeddings(), hidden, responses[valid],
+                                    temperature or 1.0, entropy, chunk)
+    zeros = torch.zeros(valid.shape, device=device)
+    return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, ent)
 
 
-def response_logprobs(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor,
-                      positions: torch.Tensor, responses: torch.Tensor, temperature: float,
-                      budget: int, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """No-grad response logprobs [N, R] (and entropy [N, R]) in token-budget micro-batches."""
-    logps, ents = [], []
+def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                      responses: torch.Tensor, temperature: float, budget: int, with_entropy: bool = False,
+                      pack: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """No-grad response logprobs [N, R] (and entropy [N, R]) on the CPU, in token-budget micro-batches.
+
+    Padded unless asked: a caller's budget may be sized for logits, and a packed row's SDPA mask
+    grows with the square of the budget."""
+    logps = torch.zeros(responses.shape)
+    ents = torch.zeros(responses.shape)
     with torch.no_grad():
-        for rows in micro_batches(ids.shape[0], ids.shape[1], budget):
-            logits = response_logits(model, ids[rows], mask[rows], positions[rows], responses.shape[1])
-            logits = logits / (temperature or 1.0)
-            logps.append(algos.token_logprobs(logits, responses[rows].to(logits.device)).cpu())
-            if with_entropy:
-                ents.append(algos.entropy_from_logits(logits).cpu())
-    return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+        for rows in micro_batches(mask, budget, pack):
+            logp, ent = forward_logprobs(model, ids[rows], mask[rows], positions[rows], responses[rows],
+                                         temperature, pack, with_entropy)
+            logps[rows], ents[rows] = logp.cpu(), ent.cpu()
+    return logps, (ents if with_entropy else None)
 
 
 class TrainEngine:
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str) -> None:
         self.device = torch.device(device)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+        self.model: Any = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=DTYPES[dtype], attn_implementation=attn_implementation(self.device, DTYPES[dtype]))
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
         self.grad_clip = grad_clip

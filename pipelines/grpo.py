@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from transformers import AutoTokenizer
 
 from engine import algos, checkpoint
@@ -35,6 +36,7 @@ from engine.config import Config
 from engine.data import Prompt, PromptLoader, load_prompts
 from engine.placement import Pool
 from engine.tracking import Tracker
+from engine.train import balance
 from stages.actor import ActorRollout
 from stages.reference import Reference
 from stages.reward import Reward
@@ -160,14 +162,26 @@ def prompt_means(batches: list[Batch], stats: dict[str, Callable[[list[float]], 
     return out
 
 
-def step_inputs(stages: Stages, loader: PromptLoader, step: int, tries: int) -> tuple[list[Any], dict[str, float]]:
+def step_inputs(stages: Stages, loader: PromptLoader, step: int, tries: int,
+                mini_prompts: int) -> tuple[list[Any], dict[str, float]]:
     """What the step graph starts from, per rank, and driver-side metrics: RolloutRequests, or with
     tries > 0 (DAPO's dynamic sampling) the scored batches `dynamic_sample` kept."""
     if not tries:
         return [RolloutRequest(s, step) for s in shards(loader.next_batch(), stages.workers)], {}
     kept, metrics = dynamic_sample(stages, loader, step, tries)
-    rows = len(kept) // stages.workers
-    return [kept.rows(slice(r * rows, (r + 1) * rows)) for r in range(stages.workers)], metrics
+    return balanced_shards(kept, stages.workers, mini_prompts), metrics
+
+
+def balanced_shards(batch: Batch, workers: int, mini_prompts: int) -> list[Batch]:
+    """Whole prompt groups per rank, each mini-batch's tokens spread evenly over the ranks: every
+    optimizer step waits for its slowest rank. Rank r's k-th mini-batch is its part of the k-th."""
+    g = batch.group_size
+    tokens = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).view(-1, g).sum(1).tolist()  # per group
+    ranks: list[list[int]] = [[] for _ in range(workers)]
+    for lo in range(0, len(tokens), mini_prompts):
+        for rank, part in enumerate(balance(tokens[lo:lo + mini_prompts], workers)):
+            ranks[rank] += [(lo + i) * g + j for i in sorted(part) for j in range(g)]
+    return [batch.rows(torch.tensor(rows)) for rows in ranks]
 
 
 def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int) -> tuple[Batch, dict[str, float]]:
@@ -267,7 +281,8 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
                     tracker.log_metrics(validate(live.stages, val_prompts, step, t.val_samples), step=step)
                 begin = time.perf_counter()
                 # Driver-side: dynamic sampling, when on, generates and filters here.
-                inputs, driver_metrics = step_inputs(live.stages, loader, step, cfg.algorithm.dynamic_sampling_tries)
+                inputs, driver_metrics = step_inputs(live.stages, loader, step, cfg.algorithm.dynamic_sampling_tries,
+                                                     cfg.actor.mini_batch_prompts)
                 results = live.run_step(inputs)
             except WORKER_LOST as e:
                 if restarts >= t.max_restarts:

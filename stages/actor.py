@@ -30,7 +30,7 @@ from engine import algos
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
 from engine.rollout import SamplingParams, build_rollout, left_pad
-from engine.train import TrainEngine, all_reduce_sum, micro_batches, response_logits, response_logprobs
+from engine.train import TrainEngine, all_reduce_sum, forward_logprobs, micro_batches, response_logprobs
 
 
 def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
@@ -104,7 +104,7 @@ class ActorRollout:
         ids, mask, pos = batch.sequences()
         batch.old_logprobs, _ = response_logprobs(
             self.engine.model, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
-            self.cfg.actor.micro_batch_tokens_per_gpu)
+            self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
         diff = (batch.old_logprobs.exp() - batch.rollout_logprobs.exp()).abs()
         valid = batch.response_mask.bool()
         batch.metrics["training/rollout_probs_diff_mean"] = float(diff[valid].mean())
@@ -162,17 +162,16 @@ class ActorRollout:
         denom = all_reduce_sum(float(len(mini)) if seq_mode else float(mask.sum()))
         ids, attn, pos = mini.sequences()
         return [partial(self._loss, mini, r, ids, attn, pos, denom, stats)
-                for r in micro_batches(ids.shape[0], ids.shape[1], a.micro_batch_tokens_per_gpu)]
+                for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)]
 
-    def _loss(self, mini: Batch, r: slice, ids, attn, pos, denom: float, stats) -> torch.Tensor:
+    def _loss(self, mini: Batch, r: torch.Tensor, ids, attn, pos, denom: float, stats) -> torch.Tensor:
         a, mask = self.cfg.actor, mini.response_mask[r]
-        logits = response_logits(self.engine.model, ids[r], attn[r], pos[r], mini.response_ids.shape[1])
-        logits = logits / (self.cfg.rollout.temperature or 1.0)
-        logp = algos.token_logprobs(logits, mini.response_ids[r].to(logits.device)).cpu()
+        logp, entropy = forward_logprobs(self.engine.model, ids[r], attn[r], pos[r], mini.response_ids[r],
+                                         self.cfg.rollout.temperature, a.pack_sequences)
+        logp, entropy = logp.cpu(), entropy.cpu()
         norm_len = self.cfg.rollout.max_new_tokens
         loss, m = algos.policy_loss(logp, mini.old_logprobs[r], mini.advantages[r], mask, a.clip_low,
                                     a.clip_high, a.dual_clip or None, a.loss_agg, denom, norm_len, a.policy_loss)
-        entropy = algos.entropy_from_logits(logits).cpu()
         stats.setdefault("actor/entropy", []).append(float(algos.masked_mean(entropy.detach(), mask)))
         if a.entropy_coef:
             loss = loss - a.entropy_coef * algos.agg_loss(entropy, mask, a.loss_agg, denom, norm_len)
@@ -194,12 +193,14 @@ class ActorRollout:
         ids, attn, pos = batch.sequences()
         denom = all_reduce_sum(float(batch.response_mask.sum()))
 
-        def loss(r: slice) -> torch.Tensor:
-            logits = response_logits(self.engine.model, ids[r], attn[r], pos[r], batch.response_ids.shape[1])
-            logp = algos.token_logprobs(logits, batch.response_ids[r].to(logits.device)).cpu()
-            return -(logp * batch.response_mask[r]).sum() / denom
+        a = self.cfg.actor
 
-        chunks = micro_batches(ids.shape[0], ids.shape[1], self.cfg.actor.micro_batch_tokens_per_gpu)
+        def loss(r: torch.Tensor) -> torch.Tensor:
+            logp, _ = forward_logprobs(self.engine.model, ids[r], attn[r], pos[r], batch.response_ids[r],
+                                       1.0, a.pack_sequences, entropy=False)
+            return -(logp.cpu() * batch.response_mask[r]).sum() / denom
+
+        chunks = micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)
         out = self.engine.step(lambda: [partial(loss, r) for r in chunks])
         self.sync_rollout()
         return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"]}

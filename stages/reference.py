@@ -8,17 +8,20 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
 from transformers import AutoModelForCausalLM
 
 from engine.batch import Batch
 from engine.config import Config
-from engine.train import DTYPES, response_logprobs
+from engine.train import DTYPES, attn_implementation, response_logprobs
 
 
 class Reference:
     def __init__(self, cfg: Config, model_path: str, device: str = "cpu") -> None:
         self.cfg = cfg
-        self.model: Any = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[cfg.model.dtype])
+        dtype = DTYPES[cfg.model.dtype]
+        self.model: Any = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=attn_implementation(torch.device(device), dtype))
         self.model.to(device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.eval().requires_grad_(False)
 
@@ -27,6 +30,6 @@ class Reference:
         ids, mask, pos = batch.sequences()
         batch.ref_logprobs, _ = response_logprobs(
             self.model, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
-            self.cfg.actor.micro_batch_tokens_per_gpu)
+            self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
         batch.timing["ref"] = time.perf_counter() - start
         return batch

@@ -1,13 +1,87 @@
 import pytest
 import torch
 
-from engine.train import TrainEngine, lr_lambda, micro_batches
+from engine import algos
+from engine.train import (
+    TrainEngine,
+    balance,
+    chunked_token_stats,
+    first_fit_decreasing,
+    forward_logprobs,
+    lr_lambda,
+    micro_batches,
+)
 
 
-def test_micro_batches_respect_budget_and_cover_rows():
-    chunks = micro_batches(10, 12, 40)
-    assert [c.stop - c.start for c in chunks] == [3, 3, 3, 1]
-    assert micro_batches(2, 50, 10) == [slice(0, 1), slice(1, 2)]  # a row wider than the budget still runs
+def test_padded_micro_batches_respect_budget_and_cover_rows():
+    chunks = micro_batches(torch.ones(10, 12), 40, pack=False)
+    assert [c.tolist() for c in chunks] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    assert len(micro_batches(torch.ones(2, 50), 10, pack=False)) == 2  # a row wider than the budget still runs
+
+
+def test_packed_micro_batches_hold_real_tokens_within_budget():
+    mask = torch.zeros(6, 10)
+    for row, n in enumerate([9, 2, 5, 4, 1, 6]):
+        mask[row, 10 - n:] = 1  # left padding, as prompts have it
+    chunks = micro_batches(mask, 10, pack=True)
+    assert sorted(r for c in chunks for r in c.tolist()) == list(range(6))
+    assert [int(mask[c].sum()) for c in chunks] == [10, 10, 7]  # 27 tokens in the fewest bins of 10
+    assert first_fit_decreasing([12, 3], 10) == [[0], [1]]  # too long for the budget: alone
+
+
+def test_balance_splits_equal_counts_with_near_equal_loads():
+    loads = [900, 60, 500, 480, 70, 950, 55, 65]
+    parts = balance(loads, 2)
+    assert sorted(i for p in parts for i in p) == list(range(8)) and [len(p) for p in parts] == [4, 4]
+    sums = sorted(sum(loads[i] for i in p) for p in parts)
+    assert sums == [1530, 1550]  # contiguous halves would be 1940 / 1140
+
+
+def padded_batch(prompt_lens, response_lens, vocab=90):
+    """Left-padded prompts and right-padded responses of the given lengths: (ids, mask, pos, responses)."""
+    torch.manual_seed(1)
+    P, R = max(prompt_lens), max(response_lens)
+    ids = torch.randint(3, vocab, (len(prompt_lens), P + R))
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        mask[i, P - p:P + r] = 1
+    ids = ids * mask  # pad id 0 under the mask, as the batch has it
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0), ids[:, P:]
+
+
+def test_packed_forward_matches_padded_values_and_gradients(model_dir):
+    engine = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", "cpu")
+    ids, mask, pos, responses = padded_batch([3, 7, 1, 5], [6, 2, 9, 4])
+    grads, values = [], []
+    for pack in (True, False):
+        engine.model.zero_grad()
+        logp, ent = forward_logprobs(engine.model, ids, mask, pos, responses, 0.7, pack, chunk=5)
+        loss = (logp.sum() + 0.1 * ent.sum()) / mask.sum()
+        loss.backward()
+        values.append((logp, ent))
+        grads.append([p.grad.clone() for p in engine.model.parameters()])
+    valid = mask[:, -responses.shape[1]:].bool()
+    assert torch.all(values[0][0][~valid] == 0) and torch.all(values[0][0][valid] < 0)
+    torch.testing.assert_close(values[0], values[1], rtol=1e-5, atol=1e-6)
+    for (name, _), a, b in zip(engine.model.named_parameters(), *grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=name)
+    # a padded row leaks into its neighbours if the packed attention ignored sequence boundaries
+    alone, _ = forward_logprobs(engine.model, ids[1:2], mask[1:2], pos[1:2], responses[1:2], 0.7, True)
+    torch.testing.assert_close(alone[0], values[0][0][1].detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_logprobs_and_entropy_match_full_logits():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False)
+    hidden = torch.randn(13, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (13,))
+    logits = head(hidden) / 0.8
+    full = algos.token_logprobs(logits, targets), algos.entropy_from_logits(logits)
+    want = torch.autograd.grad(full[0].sum() + full[1].sum(), [hidden, head.weight])
+    chunked = chunked_token_stats(head, hidden, targets, 0.8, chunk=4)  # 4 + 4 + 4 + 1 rows
+    got = torch.autograd.grad(chunked[0].sum() + chunked[1].sum(), [hidden, head.weight])
+    torch.testing.assert_close(chunked, full)
+    torch.testing.assert_close(got, want)
 
 
 def test_lr_schedule():

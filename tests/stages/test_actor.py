@@ -102,3 +102,33 @@ def test_export_loads_with_transformers(model_dir, tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").decode([5, 6]) == actor.tokenizer.decode([5, 6])
     for k, v in actor.engine.model.state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_files, tmp_path, loss_agg):
+    """One optimizer step over 8 prompts x 2 samples: packed or padded, in one micro-batch or many,
+    the old logprobs, loss and gradient agree."""
+    from dataclasses import replace
+
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score", "data.prompts_per_step=8",
+                             "actor.mini_batch_prompts=8", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+                             "data.max_prompt_tokens=16", f"actor.loss_agg={loss_agg}", "actor.entropy_coef=0.01",
+                             "actor.grad_clip=1e9", "actor.micro_batch_tokens_per_gpu=1024"])
+    actor, reward = ActorRollout(cfg, str(model_dir)), Reward(cfg)
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
+    batch = actor.advantages(actor.logprobs(reward.score(actor.generate(RolloutRequest(prompts[:8], step=0)))))
+    assert len(set(batch.response_mask.sum(1).tolist())) > 1, "the equivalence needs mixed lengths"
+    start = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
+    results = []
+    for pack, budget in [(False, 1024), (True, 1024), (True, 28), (False, 28)]:  # 28: one row per padded micro-batch
+        actor.cfg = replace(cfg, actor=replace(cfg.actor, pack_sequences=pack, micro_batch_tokens_per_gpu=budget))
+        actor.engine.model.load_state_dict(start)
+        old = actor.logprobs(batch.rows(slice(None))).old_logprobs
+        loss = actor.update(batch.rows(slice(None)))["metrics"]["actor/pg_loss"]
+        results.append((old, loss, [p.grad.clone() for p in actor.engine.model.parameters()]))
+    for old, loss, grads in results[1:]:
+        torch.testing.assert_close(old, results[0][0], rtol=1e-5, atol=1e-6)
+        assert loss == pytest.approx(results[0][1], rel=1e-5, abs=1e-8)
+        for (name, _), a, b in zip(actor.engine.model.named_parameters(), grads, results[0][2]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=name)

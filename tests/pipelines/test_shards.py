@@ -1,0 +1,20 @@
+import torch
+
+from engine.batch import Batch
+from pipelines.grpo import balanced_shards
+
+
+def test_balanced_shards_keep_groups_whole_and_even_out_each_mini_batch():
+    lengths = [900, 950, 60, 70, 500, 55, 480, 65]  # response tokens per prompt group of 2 rows
+    width = max(lengths)
+    mask = torch.tensor([[1.0] * n + [0.0] * (width - n) for n in lengths for _ in range(2)])
+    batch = Batch(torch.arange(16)[:, None], torch.ones(16, 1, dtype=torch.long), 2, [""] * 16, [""] * 16,
+                  [None] * 16, response_ids=torch.zeros(16, width, dtype=torch.long), response_mask=mask)
+    ranks = balanced_shards(batch, 2, 4)  # mini-batches of 4 groups, 2 per rank
+    rows = [r.prompt_ids[:, 0].tolist() for r in ranks]
+    assert sorted(rows[0] + rows[1]) == list(range(16))
+    assert all(r[i] // 2 == r[i + 1] // 2 for r in rows for i in range(0, 8, 2))  # a group's rows stay together
+    # the k-th mini-batch of each rank: the two long groups go to different ranks (contiguous: 3704 vs 264)
+    tokens = [[float(r.prompt_mask[k].sum() + r.response_mask[k].sum()) for r in ranks]
+              for k in (slice(0, 4), slice(4, 8))]
+    assert tokens == [[2024, 1944], [1114, 1094]]
