@@ -81,16 +81,14 @@ class HFRollout:
         gen = GenerationConfig(
             do_sample=not greedy, temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p, top_k=(params.top_k or None) if not greedy else None,
-            max_new_tokens=params.max_new_tokens, eos_token_id=stops,
-            pad_token_id=self.tokenizer.pad_token_id, stop_strings=params.stop_strings or None,
-        )
+            max_new_tokens=params.max_new_tokens, eos_token_id=stops, pad_token_id=self.tokenizer.pad_token_id,
+        )  # no stop_strings: transformers matches them across the prompt's end; `_cut` looks at the response only
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
         torch.manual_seed(params.seed)
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                      generation_config=gen, tokenizer=self.tokenizer)
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen)
         self.model.train(was_training)
         tokens = out[:, ids.shape[1]:].cpu()  # [B*n, R]
         logp = self._logprobs(ids, mask, tokens, params.temperature)
