@@ -4,7 +4,9 @@ One interface (`RolloutEngine`), backends picked by `rollout.backend`:
 - `hf`: transformers' `generate` over the training module itself (hybrid, zero-copy on one
   device); a slow reference that works for any architecture;
 - `native` (engine/native.py): our own Qwen2/Qwen3/Llama model with a slot KV cache and
-  continuous batching, holding a copy of the trainer's weights refreshed by `load_weights`.
+  continuous batching, holding a copy of the trainer's weights refreshed by `load_weights`;
+- `vllm` (engine/vllm_rollout.py, the `vllm` extra): vLLM in this process, built from the model
+  directory, its copy of the weights refreshed the same way.
 
 Invariants:
 - `generate` returns, per prompt, `n` completions in order, so a prompt's samples are contiguous;
@@ -135,8 +137,10 @@ class HFRollout:
         """Nothing to take back: see release_memory."""
 
 
-def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, max_len: int) -> RolloutEngine:
-    """A rollout engine over the trainer's `model`: shared (hf) or a native copy kept in sync."""
+def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, max_len: int,
+                  model_dir: str) -> RolloutEngine:
+    """A rollout engine over the trainer's `model` (loaded from `model_dir`): shared (hf), or a
+    native or vLLM copy kept in sync, in the module's dtype (config validation makes it rollout.dtype)."""
     if backend == "hf":
         return HFRollout(model, tokenizer)
     if backend == "native":
@@ -144,4 +148,8 @@ def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, max_len:
         from engine.native_model import NativeCausalLM
 
         return NativeRollout(NativeCausalLM.from_module(model), tokenizer, max_len=max_len)
+    if backend == "vllm":
+        from engine.vllm_rollout import VLLMRollout
+
+        return VLLMRollout(model_dir, tokenizer, max_len, next(model.parameters()).dtype)
     raise ValueError(f"unknown rollout.backend '{backend}'")

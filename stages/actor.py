@@ -51,7 +51,7 @@ class ActorRollout:
                                                                             a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device)
         self.rollout = build_rollout(cfg.rollout.backend, self.engine.model, self.tokenizer,
-                                     cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+                                     cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens, model_path)
         alg = cfg.algorithm
         self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
                        if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))
