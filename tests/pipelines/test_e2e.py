@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -195,3 +196,15 @@ def test_mlflow_run_makes_exactly_one_run(tmp_path):
     assert run.data.params["trainer.total_steps"] == "3"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1, 2, 3]
     assert {"config.yaml", "hf_model", "checkpoints"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
+def test_vllm_backend_in_the_compiled_graph_gets_every_update(tmp_path):
+    rlflow(tmp_path, "out", "rollout.backend=vllm", "trainer.total_steps=2", "trainer.val_every=0")
+    client, run = only_run(tmp_path)
+    assert run.data.params["rollout.backend"] == "vllm"
+    metrics = history(client, run.info.run_id)
+    assert [s for s, _ in metrics["actor/pg_loss"]] == [1, 2]
+    # step 2 samples with step 1's update: vLLM's probabilities still are the trainer's
+    diffs = [v for _, v in metrics["training/rollout_probs_diff_max"]]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
