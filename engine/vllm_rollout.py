@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -57,12 +57,13 @@ class VLLMRollout:
                                       "trainer's data-parallel group as its own; use placement.workers=1")
         self.tokenizer = tokenizer
         self.can_sleep = current_platform.is_sleep_mode_available()
-        self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=str(dtype).removeprefix("torch."),
-                       max_model_len=max_len, max_num_seqs=MAX_SEQS, seed=0, max_logprobs=0,
+        name = cast(Any, str(dtype).removeprefix("torch."))  # "float32" | "bfloat16" | ...
+        self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=name, max_model_len=max_len,
+                       max_num_seqs=MAX_SEQS, seed=0, max_logprobs=0,
                        kv_cache_memory_bytes=kv_cache_bytes(model_dir, max_len, dtype),
                        enable_sleep_mode=self.can_sleep, enforce_eager=not torch.cuda.is_available())
-        self.model = self.llm.apply_model(lambda m: m)[0]  # in-process: the module itself, not a copy
-        self.base_scale = self.model.logits_processor.scale  # a model's own logit scale (1.0 for Qwen2)
+        self.model = cast(Any, self.llm.apply_model(lambda m: m)[0])  # in-process: the module itself, not a copy
+        self.base_scale: float = self.model.logits_processor.scale  # a model's own logit scale (1.0 for Qwen2)
         self.released = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
