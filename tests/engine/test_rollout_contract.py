@@ -26,7 +26,7 @@ BACKENDS = ["hf", "native", pytest.param("vllm", marks=pytest.mark.skipif(NO_VLL
 TEXTS = ["1+1=", "12+7=", "3+4=", "99+99=", "5+", "0+0=", "42+58="]
 
 
-def build(backend: str, model_dir: Path, tok, max_len: int = 64, native_slots: int = 3) -> RolloutEngine:
+def build(backend: str, model_dir: Path, tok, max_len: int = 160, native_slots: int = 3) -> RolloutEngine:
     if backend == "hf":
         return HFRollout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tok)
     if backend == "native":  # by default fewer slots than prompts, so finished rows' slots are refilled
@@ -137,7 +137,9 @@ def fresh(backend, new_weights, tok) -> RolloutEngine:
 
 
 def test_weight_push_matches_an_engine_built_on_the_new_weights(engine, fresh, new_weights, hf, tok):
-    prompts = [tok.encode(t) for t in TEXTS[:2]]
+    # the long prompt fills a whole KV block (128 tokens in vLLM on CPU), which prefix caching then
+    # keeps: K/V computed with the old weights must not be reused after the push
+    prompts = [tok.encode(TEXTS[1] * 27), tok.encode(TEXTS[0])]
     params = SamplingParams(temperature=0.8, n=2, max_new_tokens=6, seed=3)
     before = engine.generate(prompts, params)
     engine.load_weights(new_weights[0].named_parameters())
