@@ -43,7 +43,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "native"  # native (engine/native.py) | hf (transformers generate, a slow reference)
+    backend: str = "native"  # native (engine/native.py) | hf (transformers generate) | vllm (the vllm extra)
     samples_per_prompt: int = 8
     max_new_tokens: int = 8
     temperature: float = 1.0
@@ -234,7 +234,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 CHOICES = {
     "model.dtype": {"float32", "bfloat16"},
     "rollout.dtype": {"float32", "bfloat16"},
-    "rollout.backend": {"hf", "native"},
+    "rollout.backend": {"hf", "native", "vllm"},
     "data.overlong_prompts": {"skip", "error"},
     "actor.lr_schedule": {"constant", "cosine"},
     "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},

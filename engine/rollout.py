@@ -5,7 +5,9 @@ One interface (`RolloutEngine`), backends picked by `rollout.backend`:
   continuous batching and CUDA-graph decode, holding a copy of the trainer's weights refreshed
   by `load_weights`;
 - `hf`: transformers' `generate` over the training module itself (hybrid, zero-copy on one
-  device); a slow reference that works for any architecture.
+  device); a slow reference that works for any architecture;
+- `vllm` (engine/vllm_rollout.py, the `vllm` extra): vLLM in this process, built from the model
+  directory, its copy of the weights refreshed the same way.
 
 Invariants:
 - `generate` returns, per prompt, `n` completions in order, so a prompt's samples are contiguous;
@@ -89,16 +91,15 @@ class HFRollout:
             do_sample=not greedy, temperature=None if greedy else params.temperature,
             top_p=None if greedy else params.top_p, top_k=(params.top_k or None) if not greedy else None,
             max_new_tokens=params.max_new_tokens, eos_token_id=stops or None,
-            pad_token_id=self.tokenizer.pad_token_id, stop_strings=params.stop_strings or None,
+            pad_token_id=self.tokenizer.pad_token_id,
             cache_implementation=None if self.cache_implementation == "dynamic" else self.cache_implementation,
-        )
+        )  # no stop_strings: transformers matches them across the prompt's end; `_cut` looks at the response only
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
         torch.manual_seed(params.seed)
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                      generation_config=gen, tokenizer=self.tokenizer)
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen)
         self.model.train(was_training)
         tokens = out[:, ids.shape[1]:].cpu()  # [B*n, R]
         logp = self._logprobs(ids, mask, tokens, params.temperature)
@@ -145,11 +146,12 @@ class HFRollout:
         """Nothing to take back: see release_memory."""
 
 
-def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, max_len: int, max_slots: int,
-                  kv_cache_memory: float) -> RolloutEngine:
-    """A rollout engine over the trainer's `model`: shared (hf) or a native copy kept in sync
-    running up to `max_slots` sequences at once (fewer if its KV cache would overflow
-    `kv_cache_memory`, a fraction of free GPU memory)."""
+def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, model_dir: str, max_len: int,
+                  max_slots: int, kv_cache_memory: float) -> RolloutEngine:
+    """A rollout engine over the trainer's `model` (loaded from `model_dir`): shared (hf), or a
+    native or vLLM copy kept in sync, in the module's dtype (config validation makes it
+    rollout.dtype), running up to `max_slots` sequences at once (native: fewer if its KV cache
+    would overflow `kv_cache_memory`, a fraction of free GPU memory)."""
     if backend == "hf":
         return HFRollout(model, tokenizer)
     if backend == "native":
@@ -158,4 +160,8 @@ def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, max_len:
 
         return NativeRollout(NativeCausalLM.from_module(model), tokenizer, max_slots=max_slots, max_len=max_len,
                              memory_fraction=kv_cache_memory)
+    if backend == "vllm":
+        from engine.vllm_rollout import VLLMRollout
+
+        return VLLMRollout(model_dir, tokenizer, max_len, next(model.parameters()).dtype)
     raise ValueError(f"unknown rollout.backend '{backend}'")

@@ -26,12 +26,13 @@ PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer over printable ASCII, with pad/eos/unk specials."""
+def build_tokenizer(chars: str | None = None):
+    """A character-level fast tokenizer over `chars` (default: printable ASCII), with pad/eos/unk specials."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    chars = sorted(set(string.printable) - set("\t\n\r\x0b\x0c"))
+    if chars is None:
+        chars = "".join(sorted(set(string.printable) - set("\t\n\r\x0b\x0c")))
     vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *chars])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -43,13 +44,14 @@ def build_tokenizer():
     return tok
 
 
-def build_model(out_dir: str | Path, seed: int = 0, hidden: int = 128, layers: int = 4) -> Path:
-    """Write a fresh Qwen2-architecture model + tokenizer as a HF directory; returns its path."""
+def build_model(out_dir: str | Path, seed: int = 0, hidden: int = 128, layers: int = 4,
+                chars: str | None = None) -> Path:
+    """Write a fresh Qwen2-architecture model + tokenizer (over `chars`) as a HF directory; returns its path."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     out = Path(out_dir)
-    tok = build_tokenizer()
+    tok = build_tokenizer(chars)
     cfg = Qwen2Config(
         vocab_size=len(tok),
         hidden_size=hidden,

@@ -40,8 +40,9 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
     prompts, _ = load_prompts(train_files, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
     pairs = [(p.ids, tokenizer.encode(p.ground_truth, add_special_tokens=False) + [tokenizer.eos_token_id])
              for p in prompts]
+    # warm start never generates: the shared-module hf engine costs nothing to build
     sft_cfg = replace(cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant"),
-                      trainer=replace(cfg.trainer, total_steps=w.steps))
+                      trainer=replace(cfg.trainer, total_steps=w.steps), rollout=replace(cfg.rollout, backend="hf"))
     pool = Pool("warmstart", StageWorker, 1, cfg.placement.gpus_per_worker, cfg.placement.torch_threads)
     try:
         device = "cuda" if cfg.placement.gpus_per_worker else "cpu"

@@ -52,7 +52,7 @@ class ActorRollout:
                                                                             a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device)
         r = cfg.rollout
-        self.rollout = build_rollout(r.backend, self.engine.model, self.tokenizer,
+        self.rollout = build_rollout(r.backend, self.engine.model, self.tokenizer, model_path,
                                      cfg.data.max_prompt_tokens + r.max_new_tokens,
                                      -(-cfg.data.prompts_per_step * r.samples_per_prompt // world), r.kv_cache_memory)
         alg = cfg.algorithm

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -255,3 +256,15 @@ def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
         assert metrics["dynamic_sampling/topped_up_groups"][1] == max(0, 8 - varied)
         assert rounds == 10 or varied >= 8
         assert metrics["reward/overlong_penalty/mean"][1] <= 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
+def test_vllm_backend_in_the_compiled_graph_gets_every_update(tmp_path):
+    rlflow(tmp_path, "out", "rollout.backend=vllm", "trainer.total_steps=2", "trainer.val_every=0")
+    client, run = only_run(tmp_path)
+    assert run.data.params["rollout.backend"] == "vllm"
+    metrics = history(client, run.info.run_id)
+    assert [s for s, _ in metrics["actor/pg_loss"]] == [1, 2]
+    # step 2 samples with step 1's update: vLLM's probabilities still are the trainer's
+    diffs = [v for _, v in metrics["training/rollout_probs_diff_max"]]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
