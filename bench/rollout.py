@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+from shapes import QWEN25  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from engine.native import NativeRollout
@@ -25,16 +26,9 @@ from engine.native_model import NativeCausalLM
 from engine.rollout import HFRollout, SamplingParams
 from engine.task import build_tokenizer
 
-SHAPES = {  # published Qwen2.5 configs
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-}
+SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
+    hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)}
 
 
 def sync() -> None:

@@ -25,24 +25,17 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
+from shapes import QWEN25  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from engine import algos
 from engine.train import attn_implementation, forward_logprobs, micro_batches
 
-SHAPES: dict[str, dict[str, Any]] = {  # published Qwen2.5 configs; tiny is for a CPU smoke run
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True),
-}
+SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
+    hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True)}
 
 
 def sync() -> None:
