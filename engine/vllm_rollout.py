@@ -51,7 +51,7 @@ class VLLMRollout:
         # CPU: vLLM would pin its OpenMP threads from the thread that builds it and size its attention
         # plans for them, while a compiled graph calls generate from another thread with the process's
         # own thread count (Ray's OMP_NUM_THREADS): the two must agree, so leave threads to the process
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         import torch.distributed as dist
         from vllm import LLM
         from vllm.platforms import current_platform
