@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from shapes import QWEN25  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from engine.native import NativeRollout
@@ -26,14 +26,7 @@ from engine.native_model import NativeCausalLM
 from engine.rollout import HFRollout, SamplingParams
 from engine.task import build_tokenizer
 
-SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
-    hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)}
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+SHAPES = {**QWEN25, "tiny": TINY}  # tiny: a CPU smoke run
 
 
 def timed(engine, prompts, params, repeats: int) -> tuple[float, list[tuple[float, int]]]:

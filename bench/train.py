@@ -27,7 +27,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from shapes import QWEN25  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from engine import algos
@@ -36,11 +36,6 @@ from engine.train import attn_implementation, forward_logprobs, micro_batches
 SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True)}
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def make_batch(seqs: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int) -> dict:

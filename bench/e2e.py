@@ -1,0 +1,441 @@
+"""End-to-end GRPO step: rlflow's real pipeline against TRL's GRPOTrainer, side by side, same settings.
+
+    python bench/e2e.py --shape qwen2.5-0.5b,qwen2.5-1.5b        # one H200: the headline numbers
+    python bench/e2e.py --shape tiny --prompts 4 --samples 2 --prompt-len 16 --new 8 --steps 3 --warmup 1  # CPU smoke
+
+One step, in both frameworks: `--prompts` prompts x `--samples` samples at temperature 1, each
+prompt exactly `--prompt-len` tokens and each completion exactly `--new` tokens (the EOS token
+lies outside the model's vocabulary, so it is never sampled), scored by the one reward in
+`bench/e2e_reward.py`, group-normalised advantages, one PPO epoch in one mini-batch (one optimizer
+step per generation batch), token-mean PPO-clip loss (TRL's `dapo`), no KL and no reference model
+(TRL `beta=0`), the same constant lr, bf16 weights on the GPU (fp32 on CPU). Random weights in a
+Qwen2.5 shape (bench/shapes.py) and a byte-level BPE tokenizer whose tokens cover every id
+(`build_tokenizer`), saved once as a HF directory that both load by path (no download).
+
+- rlflow: the real job, `python -m pipelines.cli train <generated yaml>` (Ray, compiled DAG,
+  MLflow), then the per-step metrics read back from its MLflow store (`timing_s/*`, `perf/*`).
+- TRL: `GRPOTrainer` in its own process (separate CUDA state and peak memory), transformers
+  `generate` (no vLLM), one process per `--trl-modes` entry: `default` is TRL's defaults,
+  `fast` the fastest knobs that need no extra package (see TRL_MODES). Its micro-batch starts at
+  `--trl-micro` sequences and halves on CUDA OOM: the largest that fits is used and reported.
+
+Step time: the driver's step for rlflow (`timing_s/step`), on_step_begin -> on_step_end
+(synchronised) for TRL. Generation: rlflow's `timing_s/gen`; TRL's `_generate` (prompts to decoded
+completions, as rlflow's gen), timed synchronised. Training = step - generation (old logprobs,
+reward, advantages, forward/backward, optimizer). tokens/s/GPU = (prompt + completion tokens) /
+step time. The first `--warmup` steps (compilation, CUDA-graph capture) are dropped, the median of
+the rest reported. Peak memory: the device's memory in use, polled with nvidia-smi while each job
+runs (the same measure for both); TRL's torch max_memory_allocated too. Prints a markdown table
+and writes JSON to `--out` ($OUT/e2e.json when $OUT is set, else bench/out/e2e.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+SHAPES = {**QWEN25, "tiny": TINY}
+EXPERIMENT = "e2e"
+# TRL knobs that need no extra package. Others that exist in 1.16 but are left out: vLLM (an extra
+# package and server), liger kernels (extra package), flash-attn / hub kernels (extra package or a
+# download), use_transformers_continuous_batching (kept as the `cb` mode to try; not default).
+TRL_MODES: dict[str, dict[str, Any]] = {
+    "default": {},  # gradient checkpointing on, dynamic KV cache, no compile
+    "fast": dict(gradient_checkpointing=False, cache_implementation="static"),
+    "cb": dict(gradient_checkpointing=False, use_transformers_continuous_batching=True),
+    "compile": dict(gradient_checkpointing=False, cache_implementation="static", torch_compile=True),
+}
+
+
+# -- inputs: one model directory and one prompt file for both frameworks ---------------------
+
+def build_tokenizer(vocab: int):
+    """A byte-level BPE tokenizer whose tokens cover every model id: the 256 byte symbols, then " a"
+    .. " zzz" and as many 4-letter words " aaaa", " aaab", .. as fit, then pad. EOS gets id `vocab`,
+    outside the model's logits, so neither framework samples it and every completion runs full length.
+
+    Built as the Qwen2 tokenizer class that transformers 5 loads for any qwen2 model directory
+    whatever the file says, so both frameworks tokenize alike; a word with a leading space is one token."""
+    from tokenizers import pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    words = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    merges = []
+    for n in range(1, 5):
+        for letters in itertools.islice(itertools.product(string.ascii_lowercase, repeat=n), vocab - 1 - len(words)):
+            word = "\u0120" + "".join(letters)  # the byte-level symbol of a space
+            words[word] = len(words)
+            merges.append((word[:-1], word[-1]))
+    words |= {"<pad>": vocab - 1, "<eos>": vocab}
+    tok = Qwen2Tokenizer(vocab=words, merges=merges, unk_token="<eos>", eos_token="<eos>", pad_token="<pad>")
+    tok.padding_side = "left"
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # rlflow templates; TRL does not
+    return tok
+
+
+def build_inputs(root: Path, shape: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[Path, Path, Path]:
+    """(model dir, train prompts, validation prompt): random weights, and prompts of exactly
+    `--prompt-len` tokens through both frameworks' paths (plain tokenizer and rlflow's template)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config
+
+    vocab = SHAPES[shape]["vocab_size"]
+    tok = build_tokenizer(vocab)
+    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(4096, args.prompt_len + args.new),
+                      eos_token_id=None, bos_token_id=None, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # on CPU: this process keeps no CUDA context
+    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id)
+    model_dir = root / "model"
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)  # check what both frameworks will load
+    rng = random.Random(args.seed)
+    first = tok.convert_tokens_to_ids("\u0120aaaa")  # the first 4-letter word: one token each
+    word = lambda: tok.convert_ids_to_tokens(rng.randrange(first, vocab - 1))[1:]  # noqa: E731
+    texts = ["".join(" " + word() for _ in range(args.prompt_len)) for _ in range(args.prompts + 1)]
+    for text in texts:
+        templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=False)
+        lengths = {len(tok(t, add_special_tokens=add)["input_ids"]) for t in (text, templated) for add in (False, True)}
+        if lengths != {args.prompt_len} or tok.decode(tok(text)["input_ids"]) != text:
+            raise SystemExit(f"a prompt tokenizes to {lengths} tokens, not {args.prompt_len}")
+    rows = [{"prompt": t, "data_source": "e2e", "reward_model": {"ground_truth": ""}} for t in texts]
+    files = root / "train.jsonl", root / "val.jsonl"
+    for path, part in zip(files, (rows[:-1], rows[-1:])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in part))
+    return model_dir, *files
+
+
+# -- measurement helpers ---------------------------------------------------------------------
+
+class DevicePeak:
+    """Peak memory in use on GPU 0 (NVML, via nvidia-smi) while a child process runs: one measure for
+    both frameworks, whose processes (Ray workers included) this one cannot look into."""
+
+    def __init__(self) -> None:
+        self.peak_mib: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.2):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=10).stdout
+                self.peak_mib = max(self.peak_mib or 0.0, float(out.strip()))
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                return
+
+    def __enter__(self) -> DevicePeak:
+        if torch.cuda.is_available():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def gib(self) -> float | None:
+        return None if self.peak_mib is None else self.peak_mib / 1024
+
+
+def run_logged(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Run `cmd` from the repo root with its output in `log`; (exit code, last 4000 characters)."""
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    return rc, log.read_text()[-4000:]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def summarise(steps: list[dict[str, float]], warmup: int) -> dict[str, Any]:
+    """Medians over the steps after warm-up, and what every step generated."""
+    timed = steps[warmup:]
+    if not timed:
+        raise SystemExit(f"--steps must exceed --warmup: {len(steps)} steps ran, {warmup} are warm-up")
+    med = lambda key: statistics.median(s[key] for s in timed)  # noqa: E731
+    return {"step_s": med("step_s"), "gen_s": med("gen_s"), "train_s": med("step_s") - med("gen_s"),
+            "tok_s_gpu": statistics.median(s["tokens"] / s["step_s"] for s in timed),
+            "completion_len": [s["completion_len"] for s in steps], "prompt_len": [s["prompt_len"] for s in steps],
+            "steps": steps}
+
+
+# -- rlflow: the real job, read back from MLflow ---------------------------------------------
+
+def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, val: Path, out: Path) -> dict:
+    gpu = dict(placement=dict(gpus_per_worker=1), model=dict(dtype="bfloat16"), rollout=dict(dtype="bfloat16"))
+    conf = {
+        "model": dict(path=str(model)),
+        "data": dict(train_files=[str(train)], val_files=[str(val)], prompts_per_step=args.prompts,
+                     max_prompt_tokens=args.prompt_len, overlong_prompts="error", val_max_prompts=1),
+        "rollout": dict(samples_per_prompt=args.samples, max_new_tokens=args.new, temperature=1.0),
+        "actor": dict(lr=args.lr, mini_batch_prompts=args.prompts, ppo_epochs=1,
+                      micro_batch_tokens_per_gpu=micro_tokens(args)),
+        "reward": dict(function=f"{BENCH / 'e2e_reward.py'}:rlflow_score"),
+        # validation only at the end (it always runs there), greedy, on one prompt
+        "trainer": dict(total_steps=args.steps, val_every=0, val_samples=0, samples_every=0, output_dir=str(out),
+                        experiment=EXPERIMENT, resume="never", max_restarts=0, progress=False, seed=args.seed),
+    }
+    for section, values in (gpu if cuda else {}).items():
+        conf.setdefault(section, {}).update(values)
+    return conf
+
+
+def micro_tokens(args: argparse.Namespace) -> int:
+    return max(args.rlflow_micro_tokens, args.prompt_len + args.new)  # rlflow needs room for one sequence
+
+
+def non_defaults(conf_path: Path) -> dict[str, Any]:
+    """The resolved config's keys that differ from rlflow's defaults."""
+    from engine.config import Config, load_config, to_dict
+    from engine.tracking import flatten
+
+    got, default = flatten(to_dict(load_config(conf_path))), flatten(to_dict(Config()))
+    return {k: v for k, v in got.items() if v != default[k]}
+
+
+def tracking_uri(work: Path) -> str:
+    import importlib.util
+
+    # mlflow-skinny has no SQL store (no sqlalchemy): use a file store there
+    return f"sqlite:///{work}/mlflow.db" if importlib.util.find_spec("sqlalchemy") else f"file://{work}/mlruns"
+
+
+def read_metrics(uri: str) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} of the only run in the bench's experiment."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    [run] = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
+    if run.info.status != "FINISHED":
+        raise SystemExit(f"rlflow's run ended {run.info.status}")
+    return {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in run.data.metrics}
+
+
+def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, val: Path, work: Path) -> dict:
+    conf = work / "rlflow.yaml"
+    conf.write_text(yaml.safe_dump(rlflow_conf(args, cuda, model, train, val, work / "rlflow_out"), sort_keys=False))
+    settings = non_defaults(conf)
+    print("  rlflow settings (non-default):", ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
+    uri = tracking_uri(work)
+    env = child_env(MLFLOW_TRACKING_URI=uri, MLFLOW_ALLOW_FILE_STORE="true")
+    with DevicePeak() as peak:
+        rc, tail = run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf)], work / "rlflow.log", env)
+    if rc:
+        raise SystemExit(f"rlflow failed (exit {rc}); log {work / 'rlflow.log'}:\n{tail}")
+    m = read_metrics(uri)
+    steps = [{"step_s": m["timing_s/step"][i], "gen_s": m["timing_s/gen"][i], "tokens": m["perf/total_num_tokens"][i],
+              "old_log_prob_s": m["timing_s/old_log_prob"][i], "update_s": m["timing_s/update_actor"][i],
+              "completion_len": m["response_length/mean"][i], "prompt_len": m["prompt_length/mean"][i]}
+             for i in range(1, args.steps + 1)]
+    out = summarise(steps, args.warmup)
+    logged = [max(v.values()) for k, v in m.items() if k.startswith("perf/max_memory_allocated_gb")]
+    out.update(framework="rlflow", mode="compiled DAG", micro_batch=f"{micro_tokens(args)} tokens",
+               peak_gib=peak.gib, alloc_gib=max(logged) if logged else None, settings=settings,
+               phases={k: statistics.median(s[k] for s in steps[args.warmup:]) for k in ("old_log_prob_s", "update_s")})
+    return out
+
+
+# -- TRL: GRPOTrainer in its own process --------------------------------------------------------
+
+def trl_kwargs(args: argparse.Namespace, cuda: bool, mode: str, micro: int, out: Path) -> dict[str, Any]:
+    batch = args.prompts * args.samples
+    return dict(
+        output_dir=str(out), per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro,
+        num_generations=args.samples, max_completion_length=args.new, num_iterations=1, beta=0.0,
+        learning_rate=args.lr, lr_scheduler_type="constant", max_steps=args.steps, temperature=1.0,
+        loss_type="dapo", scale_rewards="group", epsilon=0.2, bf16=cuda, use_cpu=not cuda, use_vllm=False,
+        report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, seed=args.seed,
+        dataloader_num_workers=0, **TRL_MODES[mode])
+
+
+def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train: Path, work: Path) -> dict:
+    """One TRL mode; its micro-batch halves on CUDA OOM until it fits."""
+    batch = args.prompts * args.samples
+    micro = min(args.trl_micro, batch)
+    while True:
+        spec = work / f"trl_{mode}.json"
+        result = work / f"trl_{mode}_result.json"
+        kwargs = trl_kwargs(args, cuda, mode, micro, work / f"trl_{mode}_out")
+        spec.write_text(json.dumps({"model": str(model), "train": str(train), "kwargs": kwargs,
+                                    "result": str(result), "prompt_len": args.prompt_len}))
+        print(f"  TRL {mode}: micro-batch {micro} x {batch // micro} accumulation steps; "
+              + ", ".join(f"{k}={v}" for k, v in TRL_MODES[mode].items()), flush=True)
+        with DevicePeak() as peak:
+            rc, tail = run_logged([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec)],
+                                  work / f"trl_{mode}.log", child_env())
+        if rc == 0:
+            break
+        if "out of memory" in tail.lower() and micro > 1 and batch % (micro // 2) == 0:
+            print(f"  TRL {mode}: out of memory at micro-batch {micro}; halving", flush=True)
+            micro //= 2
+            continue
+        raise SystemExit(f"TRL ({mode}) failed (exit {rc}); log {work / f'trl_{mode}.log'}:\n{tail}")
+    got = json.loads(result.read_text())
+    out = summarise(got["steps"], args.warmup)
+    out.update(framework="TRL", mode=mode, micro_batch=f"{micro} seqs", peak_gib=peak.gib,
+               alloc_gib=got["alloc_gib"], settings={k: v for k, v in kwargs.items() if k != "output_dir"})
+    return out
+
+
+def trl_worker(spec_path: str) -> None:
+    """The TRL side, in a process of its own: train, time each step, write the result JSON."""
+    from datasets import Dataset
+    from e2e_reward import trl_reward
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    gens: list[dict[str, float]] = []
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """GRPOTrainer, with `_generate` timed (TRL's own profiling timers only report to
+        wandb/mlflow/trackio) and its prompt and completion lengths recorded."""
+
+        def _generate(self, prompts: list) -> tuple:
+            sync()
+            start = time.perf_counter()
+            out = super()._generate(prompts)
+            sync()
+            prompt_ids, completion_ids = out[0], out[1]
+            gens.append({"gen_s": time.perf_counter() - start, "n": len(completion_ids),
+                         "prompt_len": sum(map(len, prompt_ids)) / len(prompt_ids),
+                         "completion_len": sum(map(len, completion_ids)) / len(completion_ids),
+                         "tokens": sum(map(len, prompt_ids)) + sum(map(len, completion_ids))})
+            return out
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            sync()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            sync()
+            self.seconds.append(time.perf_counter() - self.start)
+
+    texts = [json.loads(line)["prompt"] for line in Path(spec["train"]).read_text().splitlines()]
+    timer = StepTimer()
+    trainer = TimedGRPOTrainer(model=spec["model"], reward_funcs=[trl_reward], args=GRPOConfig(**spec["kwargs"]),
+                               train_dataset=Dataset.from_dict({"prompt": texts}),
+                               processing_class=AutoTokenizer.from_pretrained(spec["model"]), callbacks=[timer])
+    trainer.train()
+    if len(gens) != len(timer.seconds):
+        raise SystemExit(f"TRL generated {len(gens)} times in {len(timer.seconds)} optimizer steps; expected one each")
+    steps = [dict(g, step_s=s) for g, s in zip(gens, timer.seconds)]
+    alloc = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    Path(spec["result"]).write_text(json.dumps({"steps": steps, "alloc_gib": alloc}))
+
+
+# -- report ------------------------------------------------------------------------------------
+
+def check_lengths(rows: list[dict], args: argparse.Namespace) -> None:
+    """Both frameworks did the same work: every prompt and every completion at full length."""
+    for r in rows:
+        print(f"  {r['framework']} {r['mode']}: mean prompt length per step {r['prompt_len']}, "
+              f"mean completion length per step {r['completion_len']}")
+        if set(r["prompt_len"]) != {args.prompt_len} or set(r["completion_len"]) != {args.new}:
+            raise SystemExit(f"{r['framework']} ({r['mode']}) did not run {args.prompt_len}-token prompts to "
+                             f"{args.new}-token completions: prompts {r['prompt_len']}, "
+                             f"completions {r['completion_len']}")
+
+
+def table(rows: list[dict]) -> str:
+    gib = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
+    lines = ["| shape | framework | mode | micro-batch | step s | gen s | train s | tok/s/GPU | peak GiB (device) "
+             "| alloc GiB | rlflow / best TRL |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['framework']} | {r['mode']} | {r['micro_batch']} | {r['step_s']:.3f} | "
+                     f"{r['gen_s']:.3f} | {r['train_s']:.3f} | {r['tok_s_gpu']:,.0f} | {gib(r['peak_gib'])} | "
+                     f"{gib(r['alloc_gib'])} | {r.get('ratio', '')} |")
+    return "\n".join(lines)
+
+
+def bench_shape(shape: str, args: argparse.Namespace, cuda: bool) -> list[dict]:
+    dtype = torch.bfloat16 if cuda else torch.float32
+    with tempfile.TemporaryDirectory(prefix=f"e2e_{shape}_") as tmp:
+        work = Path(tmp)
+        model, train, val = build_inputs(work, shape, args, dtype)
+        print(f"{shape}: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} -> {args.new} tokens, "
+              f"{dtype}, {args.steps} steps ({args.warmup} warm-up), work dir {work}", flush=True)
+        rows = [run_rlflow(args, cuda, model, train, val, work)]
+        rows += [run_trl(args, cuda, mode, model, train, work) for mode in args.trl_modes]
+        check_lengths(rows, args)
+    best = max(r["tok_s_gpu"] for r in rows if r["framework"] == "TRL")
+    for r in rows:
+        r["shape"] = shape
+        r["ratio"] = f"{r['tok_s_gpu'] / best:.2f}x" if r["framework"] == "rlflow" else ""
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", action="append", help=f"repeatable or comma list of {sorted(SHAPES)}")
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    ap.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new", type=int, default=256, help="tokens per completion (EOS never sampled)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rlflow-micro-tokens", type=int, default=16384,
+                    help="rlflow actor.micro_batch_tokens_per_gpu (rows x width: 32 sequences of 512)")
+    ap.add_argument("--trl-micro", type=int, default=64, help="TRL's first micro-batch try, in sequences")
+    ap.add_argument("--trl-modes", default="default,fast", help=f"comma list of {sorted(TRL_MODES)}")
+    ap.add_argument("--out", default=str(Path(os.environ["OUT"]) / "e2e.json") if os.environ.get("OUT")
+                    else str(BENCH / "out" / "e2e.json"))
+    ap.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: the TRL child process
+    args = ap.parse_args()
+    if args.trl_worker:
+        return trl_worker(args.trl_worker)
+    shapes = [s for arg in args.shape or ["qwen2.5-0.5b,qwen2.5-1.5b"] for s in arg.split(",") if s]
+    args.trl_modes = [m for m in args.trl_modes.split(",") if m]
+    unknown = set(shapes) - set(SHAPES) | set(args.trl_modes) - set(TRL_MODES)
+    if unknown:
+        raise SystemExit(f"unknown shape or TRL mode: {sorted(unknown)}")
+    cuda = torch.cuda.is_available()
+    rows = [r for shape in shapes for r in bench_shape(shape, args, cuda)]
+    print("\n" + table(rows))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "trl_worker"},
+                               "device": device_name(cuda), "results": rows}, indent=1))
+    print(f"\nwrote {out}")
+
+
+def device_name(cuda: bool) -> str:
+    if not cuda:
+        return "cpu"
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "cuda"
+
+
+if __name__ == "__main__":
+    main()
