@@ -54,13 +54,15 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 SHAPES = {**QWEN25, "tiny": TINY}
 EXPERIMENT = "e2e"
-# TRL knobs that need no extra package. Others that exist in 1.16 but are left out: vLLM (an extra
-# package and server), liger kernels (extra package), flash-attn / hub kernels (extra package or a
-# download), use_transformers_continuous_batching (kept as the `cb` mode to try; not default).
+# TRL 1.16 knobs that speed up GRPOTrainer without an extra package. Not here: vLLM (use_vllm; its own
+# package), liger kernels (use_liger_kernel; liger-kernel), flash-attn or hub kernels
+# (model_init_kwargs attn_implementation; a package or a download). per_device_train_batch_size is
+# `--trl-micro`, largest that fits; generation runs the whole 512-completion batch in one call anyway.
 TRL_MODES: dict[str, dict[str, Any]] = {
-    "default": {},  # gradient checkpointing on, dynamic KV cache, no compile
-    "fast": dict(gradient_checkpointing=False, cache_implementation="static"),
-    "cb": dict(gradient_checkpointing=False, use_transformers_continuous_batching=True),
+    "default": {},  # TRL's defaults: gradient checkpointing on, dynamic KV cache, eager
+    "no-ckpt": dict(gradient_checkpointing=False),  # no recompute in backward
+    "fast": dict(gradient_checkpointing=False, cache_implementation="static"),  # + static KV cache in generate
+    "cb": dict(gradient_checkpointing=False, use_transformers_continuous_batching=True),  # generate_batch
     "compile": dict(gradient_checkpointing=False, cache_implementation="static", torch_compile=True),
 }
 
@@ -136,7 +138,7 @@ class DevicePeak:
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
-        while not self._stop.wait(0.2):
+        while not self._stop.wait(0.5):
             try:
                 out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
                                       "-i", "0"], capture_output=True, text=True, timeout=10).stdout
@@ -282,8 +284,8 @@ def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train:
         kwargs = trl_kwargs(args, cuda, mode, micro, work / f"trl_{mode}_out")
         spec.write_text(json.dumps({"model": str(model), "train": str(train), "kwargs": kwargs,
                                     "result": str(result), "prompt_len": args.prompt_len}))
-        print(f"  TRL {mode}: micro-batch {micro} x {batch // micro} accumulation steps; "
-              + ", ".join(f"{k}={v}" for k, v in TRL_MODES[mode].items()), flush=True)
+        print(f"  TRL {mode}: micro-batch {micro} x {batch // micro} accumulation steps; GRPOConfig "
+              + ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "output_dir"), flush=True)
         with DevicePeak() as peak:
             rc, tail = run_logged([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec)],
                                   work / f"trl_{mode}.log", child_env())
@@ -321,6 +323,9 @@ def trl_worker(spec_path: str) -> None:
             out = super()._generate(prompts)
             sync()
             prompt_ids, completion_ids = out[0], out[1]
+            lengths = {"prompt": {len(p) for p in prompt_ids}, "completion": {len(c) for c in completion_ids}}
+            if any(len(v) != 1 for v in lengths.values()):
+                raise RuntimeError(f"TRL generated uneven lengths: {lengths}")
             gens.append({"gen_s": time.perf_counter() - start, "n": len(completion_ids),
                          "prompt_len": sum(map(len, prompt_ids)) / len(prompt_ids),
                          "completion_len": sum(map(len, completion_ids)) / len(completion_ids),
@@ -419,6 +424,8 @@ def main() -> None:
     unknown = set(shapes) - set(SHAPES) | set(args.trl_modes) - set(TRL_MODES)
     if unknown:
         raise SystemExit(f"unknown shape or TRL mode: {sorted(unknown)}")
+    if args.steps <= args.warmup:
+        raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     cuda = torch.cuda.is_available()
     rows = [r for shape in shapes for r in bench_shape(shape, args, cuda)]
     print("\n" + table(rows))
