@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -176,11 +177,9 @@ def child_env(**extra: str) -> dict[str, str]:
 def summarise(steps: list[dict[str, float]], warmup: int) -> dict[str, Any]:
     """Medians over the steps after warm-up, and what every step generated."""
     timed = steps[warmup:]
-    if not timed:
-        raise SystemExit(f"--steps must exceed --warmup: {len(steps)} steps ran, {warmup} are warm-up")
-    med = lambda key: statistics.median(s[key] for s in timed)  # noqa: E731
-    return {"step_s": med("step_s"), "gen_s": med("gen_s"), "train_s": med("step_s") - med("gen_s"),
-            "tok_s_gpu": statistics.median(s["tokens"] / s["step_s"] for s in timed),
+    med = lambda f: statistics.median(f(s) for s in timed)  # noqa: E731
+    return {"step_s": med(lambda s: s["step_s"]), "gen_s": med(lambda s: s["gen_s"]),
+            "train_s": med(lambda s: s["step_s"] - s["gen_s"]), "tok_s_gpu": med(lambda s: s["tokens"] / s["step_s"]),
             "completion_len": [s["completion_len"] for s in steps], "prompt_len": [s["prompt_len"] for s in steps],
             "steps": steps}
 
@@ -258,6 +257,9 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
     out.update(framework="rlflow", mode="compiled DAG", micro_batch=f"{micro_tokens(args)} tokens",
                peak_gib=peak.gib, alloc_gib=max(logged) if logged else None, settings=settings,
                phases={k: statistics.median(s[k] for s in steps[args.warmup:]) for k in ("old_log_prob_s", "update_s")})
+    print(f"  rlflow: step {out['step_s']:.3f} s = gen {out['gen_s']:.3f} + old logprobs "
+          f"{out['phases']['old_log_prob_s']:.3f} + update {out['phases']['update_s']:.3f} + the rest (reward, "
+          "advantages, dispatch)", flush=True)
     return out
 
 
@@ -277,13 +279,13 @@ def trl_kwargs(args: argparse.Namespace, cuda: bool, mode: str, micro: int, out:
 def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train: Path, work: Path) -> dict:
     """One TRL mode; its micro-batch halves on CUDA OOM until it fits."""
     batch = args.prompts * args.samples
-    micro = min(args.trl_micro, batch)
+    micro = math.gcd(batch, args.trl_micro)  # divides the batch: one optimizer step per generation
     while True:
         spec = work / f"trl_{mode}.json"
         result = work / f"trl_{mode}_result.json"
         kwargs = trl_kwargs(args, cuda, mode, micro, work / f"trl_{mode}_out")
         spec.write_text(json.dumps({"model": str(model), "train": str(train), "kwargs": kwargs,
-                                    "result": str(result), "prompt_len": args.prompt_len}))
+                                    "result": str(result)}))
         print(f"  TRL {mode}: micro-batch {micro} x {batch // micro} accumulation steps; GRPOConfig "
               + ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "output_dir"), flush=True)
         with DevicePeak() as peak:
