@@ -138,17 +138,28 @@ class DevicePeak:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
+    @staticmethod
+    def used_mib() -> float | None:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                                 capture_output=True, text=True, timeout=10).stdout
+            return float(out.strip())
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            return None
+
     def _poll(self) -> None:
         while not self._stop.wait(0.5):
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                      "-i", "0"], capture_output=True, text=True, timeout=10).stdout
-                self.peak_mib = max(self.peak_mib or 0.0, float(out.strip()))
-            except (OSError, ValueError, subprocess.TimeoutExpired):
+            used = self.used_mib()
+            if used is None:
                 return
+            self.peak_mib = max(self.peak_mib or 0.0, used)
 
     def __enter__(self) -> DevicePeak:
         if torch.cuda.is_available():
+            # the previous job's processes (Ray workers) may still be exiting: let them free the GPU first
+            deadline = time.monotonic() + 60
+            while (self.used_mib() or 0.0) > 2048 and time.monotonic() < deadline:
+                time.sleep(1)
             self._thread.start()
         return self
 
