@@ -3,9 +3,10 @@
 Built from a HF `config.json`; module names mirror transformers' so HF parameter names map 1:1,
 except the two fused projections (`qkv_proj`, `gate_up_proj`). Tensor parallel over `TP.size`
 ranks: the fused projections are column parallel, `o_proj`/`down_proj` row parallel (summed by an
-all-reduce), the rest replicated. Each split layer has a `weight_loader(param, tensor, shard)`
-(a method, so it survives `.to()` and `to_empty`) that cuts this rank's piece from a full HF
-tensor: layout knowledge sits next to the layer that owns it.
+all-reduce), the rest replicated. Each split layer has a `cut(shape, shard)` method saying which
+piece of a full HF tensor this rank keeps and where it lands (a `Cut`): layout knowledge sits
+next to the layer that owns it. Loading from full tensors and resharding from training shards
+(engine/reshard.py) both read it.
 
 Invariants:
 - `forward` without a cache is a plain causal forward over right-padded rows;
@@ -40,16 +41,28 @@ class TP:
     group: Any = None  # a torch.distributed group; None = the default group
 
 
-def default_loader(param: torch.Tensor, tensor: torch.Tensor) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"shape {tuple(tensor.shape)} does not fit parameter {tuple(param.shape)}")
-    param.copy_(tensor)
+@dataclass(frozen=True)
+class Cut:
+    """This rank's piece of a full HF tensor and where it lands: `full.narrow(dim, start, length)`
+    (the whole tensor when `dim` is None) is written to the parameter's rows from `row` on; `zero`
+    writes zeros there instead (a row-parallel bias off TP rank 0)."""
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+    row: int = 0
+    zero: bool = False
+
+    def source(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.dim is None else full.narrow(self.dim, self.start, self.length)
 
 
-def split(tensor: torch.Tensor, dim: int, tp: TP) -> torch.Tensor:
-    """This rank's contiguous 1/tp.size of `tensor` along `dim` (a view, no copy)."""
-    size = tensor.shape[dim] // tp.size
-    return tensor.narrow(dim, tp.rank * size, size)
+def load(param: torch.Tensor, full: torch.Tensor, cut: Cut) -> None:
+    """Write `cut`'s piece of the full HF tensor into `param`."""
+    src = cut.source(full)
+    dst = param.narrow(0, cut.row, src.shape[0]) if param.dim() else param
+    if dst.shape != src.shape:
+        raise ValueError(f"shape {tuple(src.shape)} does not fit parameter {tuple(param.shape)} at row {cut.row}")
+    dst.zero_() if cut.zero else dst.copy_(src)
 
 
 class FusedLinear(nn.Linear):
@@ -62,14 +75,14 @@ class FusedLinear(nn.Linear):
         self.sizes = [size // tp.size for size in shards.values()]
         self.offsets, start = {}, 0
         for name, size in zip(shards, self.sizes):
-            self.offsets[name] = (start, start + size)
+            self.offsets[name] = start
             start += size
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None) -> None:
-        """Copy this rank's rows of a full HF tensor (weight or bias of projection `shard`)."""
+    def cut(self, shape: torch.Size, shard: str | None) -> Cut:
+        """This rank's rows of projection `shard` (weight or bias), at that projection's offset."""
         assert shard is not None, "a fused projection needs its shard name"
-        start, end = self.offsets[shard]
-        default_loader(param.data[start:end], split(tensor, 0, self.tp))
+        rows = shape[0] // self.tp.size
+        return Cut(0, self.tp.rank * rows, rows, self.offsets[shard])
 
 
 class RowLinear(nn.Linear):
@@ -79,13 +92,13 @@ class RowLinear(nn.Linear):
         super().__init__(in_features // tp.size, out_features, bias=bias)
         self.tp = tp
 
-    def weight_loader(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
+    def cut(self, shape: torch.Size, shard: str | None = None) -> Cut:
         """The weight's columns of this rank; the bias whole on rank 0 and zero elsewhere, so the
         all-reduce adds it once."""
-        if tensor.dim() == 2:
-            default_loader(param.data, split(tensor, 1, self.tp))
-        else:
-            default_loader(param.data, tensor if self.tp.rank == 0 else torch.zeros_like(tensor))
+        if len(shape) == 2:
+            cols = shape[1] // self.tp.size
+            return Cut(1, self.tp.rank * cols, cols)
+        return Cut(zero=self.tp.rank != 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
@@ -379,27 +392,30 @@ class NativeCausalLM(nn.Module):
             raise ValueError(f"the module lacks weights for {sorted(missing)}")
         return model
 
+    def place(self, hf_name: str, shape: torch.Size) -> tuple[str, Cut] | None:
+        """Which parameter a full HF tensor feeds and this rank's cut of it; None for tensors the
+        model does not keep (rotary buffers, a tied lm_head)."""
+        if "rotary_emb" in hf_name or (self.tied and hf_name == "lm_head.weight"):
+            return None
+        parts = hf_name.split(".")
+        i = next((i for i, p in enumerate(parts) if p in PACKED), None)
+        shard = None
+        if i is not None:
+            parts[i], shard = PACKED[parts[i]]
+        cut = getattr(self.get_submodule(".".join(parts[:-1])), "cut", None)
+        return ".".join(parts), (cut(shape, shard) if cut else Cut())
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy full HF-named tensors in, each through its layer's `weight_loader` when it has one
-        (fused and tensor-parallel layers cut their piece); returns the parameter names written."""
+        """Copy full HF-named tensors in, each cut to this rank's piece by its layer (fused and
+        tensor-parallel layers); returns the parameter names written."""
         params = dict(self.named_parameters())
         loaded = set()
         with torch.no_grad():
-            for name, tensor in named_tensors:
-                if "rotary_emb" in name or (self.tied and name == "lm_head.weight"):
-                    continue  # recomputed / shared with embed_tokens
-                parts = name.split(".")
-                i = next((i for i, p in enumerate(parts) if p in PACKED), None)
-                shard = None
-                if i is not None:
-                    parts[i], shard = PACKED[parts[i]]
-                    name = ".".join(parts)
-                loader = getattr(self.get_submodule(".".join(parts[:-1])), "weight_loader", None)
-                if loader is None:
-                    default_loader(params[name], tensor)
-                else:
-                    loader(params[name], tensor, shard)
-                loaded.add(name)
+            for hf_name, tensor in named_tensors:
+                placed = self.place(hf_name, tensor.shape)
+                if placed is not None:
+                    load(params[placed[0]], tensor, placed[1])
+                    loaded.add(placed[0])
         return loaded
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,

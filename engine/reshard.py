@@ -1,0 +1,178 @@
+"""Resharding: the trainer's weights into the rollout engine's layout, in place, every update.
+
+The trainer keeps each HF-named parameter as an FSDP2 shard (dim 0 split over the W ranks of
+the default process group, `torch.chunk` sizes) or whole (no FSDP). The native engine on each
+rank keeps its tensor-parallel piece of each, as `NativeCausalLM.place` says: a row or column
+range of the full tensor landing at a row offset of one of its parameters (fused qkv and
+gate_up), or a zero-fill (a row-parallel bias off TP rank 0).
+
+Plan once (`Resharder.__init__`): every rank states what it needs (one `all_gather_object`), and
+every rank derives the same blocks (source rank, destination rank, parameter, rows, columns) and
+the same buckets of consecutive parameters. Each switch (`sync`), bucket by bucket, in the same
+order on every rank:
+
+    send = my rows of every block I source, cut to its columns, cast to the rollout dtype,
+           grouped by destination rank
+    all_to_all_single(recv, send)      # the only communication
+    copy each received block into its place in the rollout's parameters
+
+No rank ever holds more than one bucket beyond its own shard and its own rollout piece. With
+t = 1 every rank needs every weight, and the all_to_all moves what an all-gather would (the floor).
+
+Invariant: after `sync`, the rollout's parameters equal bit for bit what `load_weights` of the
+full tensors writes (the same cast, the same cuts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from engine.native_model import Cut, NativeCausalLM
+
+BUCKET_BYTES = 256 * 2**20  # of rollout-dtype weights per all_to_all
+
+
+@dataclass(frozen=True)
+class Block:
+    """Rows `rows` (and columns `cols`, None = all) of trainer parameter `name`, sent from rank
+    `src` to rank `dst`, landing on rollout parameter `target` from row `row` on."""
+    src: int
+    dst: int
+    name: str
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None
+    target: str
+    row: int
+
+    def numel(self, shape: torch.Size) -> int:
+        width = (self.cols[1] - self.cols[0]) if self.cols else int(torch.Size(shape[1:]).numel())
+        return (self.rows[1] - self.rows[0]) * width
+
+
+def owned_rows(n: int, world: int, rank: int) -> tuple[int, int]:
+    """The rows of an n-row tensor FSDP2 keeps on `rank` (torch.chunk's split, empty at the end)."""
+    chunk = -(-n // world)
+    return min(n, rank * chunk), min(n, (rank + 1) * chunk)
+
+
+def blocks_for(name: str, shape: torch.Size, target: str, cut: Cut, dst: int, world: int,
+               sharded: bool) -> list[Block]:
+    """The blocks rank `dst` receives for its cut of `name`: one per source rank holding needed rows."""
+    rows = (cut.start, cut.start + cut.length) if cut.dim == 0 else (0, shape[0])
+    cols = (cut.start, cut.start + cut.length) if cut.dim == 1 else None
+    out = []
+    for src in (range(world) if sharded else [dst]):  # whole tensors: every rank has its own copy
+        lo, hi = owned_rows(shape[0], world, src) if sharded else (0, shape[0])
+        a, b = max(rows[0], lo), min(rows[1], hi)
+        if a < b:
+            out.append(Block(src, dst, name, (a, b), cols, target, cut.row + a - rows[0]))
+    return out
+
+
+class Resharder:
+    """Moves a (possibly FSDP2-sharded) HF causal LM's weights into a NativeCausalLM on every
+    rank of the default process group; all ranks construct it and call `sync` together."""
+
+    def __init__(self, trainer: torch.nn.Module, rollout: NativeCausalLM, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.dist = dist.is_available() and dist.is_initialized()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.dist else (0, 1)
+        self.source = dict(trainer.named_parameters())
+        self.target = dict(rollout.named_parameters())
+        self.dtype = next(iter(self.target.values())).dtype
+        self.device = next(iter(self.source.values())).device
+        mine = {name: rollout.place(name, p.shape) for name, p in self.source.items()}
+        needs = [mine]
+        if self.dist:
+            needs = [{} for _ in range(self.world)]
+            dist.all_gather_object(needs, mine)
+        self.zeros = [v[0] for v in mine.values() if v and v[1].zero]  # filled here, nothing sent
+        self.buckets = self._plan(needs, bucket_bytes)
+        mine_in = [b for bucket in self.buckets for b in bucket if b.dst == self.rank]
+        self.bytes_received = sum(b.numel(self.source[b.name].shape) for b in mine_in) * self.dtype.itemsize
+        self.bytes_from_peers = sum(b.numel(self.source[b.name].shape) for b in mine_in
+                                    if b.src != self.rank) * self.dtype.itemsize  # what crosses a link
+
+    def _plan(self, needs: list[dict[str, tuple[str, Cut] | None]], bucket_bytes: int) -> list[list[Block]]:
+        """Blocks of consecutive parameters, cut into buckets of at most `bucket_bytes` of full
+        tensors (a lone bigger tensor gets its own)."""
+        buckets: list[list[Block]] = [[]]
+        size = 0
+        for name, p in self.source.items():
+            full = p.numel() * self.dtype.itemsize
+            if size and size + full > bucket_bytes:
+                buckets.append([])
+                size = 0
+            size += full
+            for dst, need in enumerate(needs):
+                placed = need[name]
+                if placed is not None and not placed[1].zero:
+                    buckets[-1] += blocks_for(name, p.shape, placed[0], placed[1], dst, self.world,
+                                              isinstance(p, DTensor))
+        return [b for b in buckets if b]
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Every rank, together: the rollout's weights become the trainer's."""
+        for target in self.zeros:
+            self.target[target].zero_()
+        for bucket in self.buckets:
+            self._move(bucket)
+
+    def _move(self, bucket: list[Block]) -> None:
+        out = sorted((b for b in bucket if b.src == self.rank), key=lambda b: b.dst)  # stable: plan order
+        inc = sorted((b for b in bucket if b.dst == self.rank), key=lambda b: b.src)
+        send = torch.empty(sum(b.numel(self.source[b.name].shape) for b in out), dtype=self.dtype, device=self.device)
+        at = 0
+        for b in out:
+            piece = self._local_rows(b)
+            n = piece.numel()
+            send[at:at + n].view(piece.shape).copy_(piece)
+            at += n
+        recv = send
+        if self.dist:
+            recv = torch.empty(sum(b.numel(self.source[b.name].shape) for b in inc), dtype=self.dtype,
+                               device=self.device)
+            dist.all_to_all_single(recv, send, self._splits(inc, "src"), self._splits(out, "dst"))
+        at = 0
+        for b in inc:
+            dst = self.target[b.target]
+            rows = dst.narrow(0, b.row, b.rows[1] - b.rows[0])
+            n = rows.numel()
+            rows.copy_(recv[at:at + n].view(rows.shape))
+            at += n
+
+    def _local_rows(self, b: Block) -> torch.Tensor:
+        """This rank's rows (and columns) of block `b`, a view of its shard."""
+        p = self.source[b.name]
+        local, lo = (p.to_local(), owned_rows(p.shape[0], self.world, self.rank)[0]) if isinstance(p, DTensor) \
+            else (p.detach(), 0)
+        piece = local[b.rows[0] - lo:b.rows[1] - lo]
+        return piece[:, b.cols[0]:b.cols[1]] if b.cols else piece
+
+    def _splits(self, blocks: list[Block], key: str) -> list[int]:
+        sizes = [0] * self.world
+        for b in blocks:
+            sizes[getattr(b, key)] += b.numel(self.source[b.name].shape)
+        return sizes
+
+
+def weight_sync(trainer: torch.nn.Module, rollout: Any) -> Callable[[], None]:
+    """The one way the pipeline refreshes a rollout engine from the trainer (all ranks call it
+    together): planned resharding for the native engine, full tensors for any other backend."""
+    model = getattr(rollout, "model", None)
+    if isinstance(model, NativeCausalLM):
+        return Resharder(trainer, model).sync
+    return lambda: rollout.load_weights(full_tensors(trainer))
+
+
+def full_tensors(trainer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of every trainer parameter, one at a time: an FSDP2 shard is
+    all-gathered when its turn comes (every rank must iterate in step)."""
+    for name, p in trainer.named_parameters():
+        yield name, (p.full_tensor() if isinstance(p, DTensor) else p.detach())
