@@ -1,15 +1,16 @@
 """Checkpoint directories: atomic writes, a `latest` pointer, retention, safe loading.
 
 Layout under `<output_dir>/checkpoints/`:
-    step_000010/  model.safetensors  trainer.pt  worker_<rank>.pt  driver.json  COMPLETE
+    step_000010/  model.safetensors  config.json  tokenizer files  trainer/ (optimizer shards, torch DCP)
+                  worker_<rank>.pt  driver.json  COMPLETE
     latest        (text: the name of the newest complete checkpoint)
 
 Invariants:
 - a checkpoint is written into `.tmp-step_N/` and renamed into place only when every file is
   there; `COMPLETE` (listing each file's size) is written last, inside the temp dir;
 - `latest` is replaced atomically and only ever names a directory that has `COMPLETE`;
-- loading never executes pickled code: safetensors for weights, `torch.load(weights_only=True)`
-  for optimizer and RNG state, JSON for the driver's state;
+- loading never executes pickled code: safetensors for weights, torch distributed checkpoint
+  for optimizer shards, `torch.load(weights_only=True)` for RNG state, JSON for the driver's state;
 - a partial or corrupt checkpoint is skipped with a warning naming what is wrong.
 """
 
@@ -39,7 +40,7 @@ def begin(root: Path, step: int) -> Path:
 def commit(root: Path, tmp: Path, step: int, driver_state: dict, keep_last: int) -> Path:
     """Seal `tmp` (driver state, manifest), rename it into place, point `latest` at it, prune."""
     (tmp / "driver.json").write_text(json.dumps(driver_state, indent=1))
-    manifest = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    manifest = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / "COMPLETE").write_text(json.dumps(manifest))
     final = step_dir(root, step)
     shutil.rmtree(final, ignore_errors=True)

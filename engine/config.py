@@ -52,6 +52,7 @@ class RolloutConfig:
     stop_strings: list[str] = field(default_factory=list)  # eos always stops
     dtype: str = "float32"
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
+    free_cache: bool = False  # release the KV cache while training (native keeps its CUDA graphs if it returns in place)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs
     entropy_coef: float = 0.0
+    offload_optimizer: bool = False  # CUDA: optimizer state in pinned CPU memory while generating
 
 
 @dataclass

@@ -109,6 +109,7 @@ class NativeRollout:
         self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
         self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, self.model.kv_heads, head_dim(cfg),
                              weight.dtype, self.device)
+        self._cache_at = (0, 0)  # the KV cache's (K, V) addresses when last released
         self.phase_s: dict[str, float] | None = None  # set to {} to profile generate (see _lap)
         self._lap_start = 0.0
         # CUDA graphs for decode (captured on first use); None = eager, as on CPU
@@ -289,12 +290,18 @@ class NativeRollout:
         self.model.load_weights(named_tensors)
 
     def release_memory(self) -> None:
-        """Drop the KV cache; the decode graphs point into it, so they go too (recaptured on use)."""
+        """Drop the KV cache (training gets the memory back)."""
+        if self.cache.k is None or self.cache.v is None:
+            return
+        self._cache_at = (self.cache.k.data_ptr(), self.cache.v.data_ptr())
         self.cache.free()
-        if self.graphs:
-            self.graphs = {}
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
+        """Allocate the KV cache again; the decode graphs point into it, so they are kept only if it
+        came back at the same address (else recaptured on first use)."""
         self.cache.allocate()
+        assert self.cache.k is not None and self.cache.v is not None
+        if self.graphs and (self.cache.k.data_ptr(), self.cache.v.data_ptr()) != self._cache_at:
+            self.graphs = {}

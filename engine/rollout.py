@@ -146,22 +146,26 @@ class HFRollout:
         """Nothing to take back: see release_memory."""
 
 
-def build_rollout(backend: str, model: torch.nn.Module, tokenizer: Any, model_dir: str, max_len: int,
+def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, device: str, max_len: int,
                   max_slots: int, kv_cache_memory: float) -> RolloutEngine:
-    """A rollout engine over the trainer's `model` (loaded from `model_dir`): shared (hf), or a
-    native or vLLM copy kept in sync, in the module's dtype (config validation makes it
-    rollout.dtype), running up to `max_slots` sequences at once (native: fewer if its KV cache
-    would overflow `kv_cache_memory`, a fraction of free GPU memory)."""
+    """A rollout engine with its own copy of the model in `model_dir`, in `dtype` on `device`,
+    kept in sync with the trainer through `load_weights` (or, for native, engine/reshard.py),
+    running up to `max_slots` sequences at once (native: fewer if its KV cache would overflow
+    `kv_cache_memory`, a fraction of free GPU memory)."""
+    torch_dtype = getattr(torch, dtype)
     if backend == "hf":
-        return HFRollout(model, tokenizer)
+        from transformers import AutoModelForCausalLM
+
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        return HFRollout(model.to(device), tokenizer)
     if backend == "native":
         from engine.native import NativeRollout
         from engine.native_model import NativeCausalLM
 
-        return NativeRollout(NativeCausalLM.from_module(model), tokenizer, max_slots=max_slots, max_len=max_len,
-                             memory_fraction=kv_cache_memory)
+        return NativeRollout(NativeCausalLM.from_pretrained(model_dir, torch_dtype, device), tokenizer,
+                             max_slots=max_slots, max_len=max_len, memory_fraction=kv_cache_memory)
     if backend == "vllm":
         from engine.vllm_rollout import VLLMRollout
 
-        return VLLMRollout(model_dir, tokenizer, max_len, next(model.parameters()).dtype)
+        return VLLMRollout(model_dir, tokenizer, max_len, torch_dtype)
     raise ValueError(f"unknown rollout.backend '{backend}'")

@@ -1,9 +1,11 @@
-"""Training engine: a causal LM, its optimizer and lr schedule, micro-batched forward/backward.
+"""Training engine: a causal LM under FSDP2, its optimizer and lr schedule, micro-batched forward/backward.
 
-Data parallelism: each rank holds the full model and a shard of the batch; gradients are
-SUM-reduced across ranks. Losses divide by the global (all-rank) token or sequence count, so
-the summed gradient equals the single-process gradient of the whole mini-batch, whatever the
-number of ranks or micro-batches.
+Data parallelism: FSDP2 over the default process group (one rank when the caller made no
+group): each rank holds a dim-0 shard of every weight and a shard of the batch; gradients are
+SUM-reduced across ranks in float32. Losses divide by the global (all-rank) token or sequence
+count, so the summed gradient equals the single-process gradient of the whole mini-batch,
+whatever the number of ranks or micro-batches. Ranks run equally many forwards (FSDP2 gathers
+weights in each): one with fewer micro-batches runs zero-loss idle ones.
 
 Forward: with packing, a micro-batch's real tokens go end to end in one row, position ids
 restarting at 0 per sequence and no attention mask; transformers reads the sequence boundaries
@@ -28,6 +30,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
@@ -136,20 +149,60 @@ def chunked_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: to
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+class Policy(nn.Module):
+    """A HF causal LM behind one forward that returns response-token statistics. Under FSDP2 this
+    is the root: its hooks unshard the embeddings, final norm and lm_head around the whole
+    forward (the chunked lm_head included) and reduce their gradients."""
+
+    def __init__(self, lm: Any) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                targets: torch.Tensor, temperature: float, pack: bool, entropy: bool,
+                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = response_hidden(self.lm, ids, mask, positions, valid, pack)
+        return chunked_token_stats(self.lm.get_output_embeddings(), hidden, targets, temperature, entropy, chunk)
+
+
 def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                      responses: torch.Tensor, temperature: float, pack: bool, entropy: bool = True,
                      chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's forward: response logprobs and entropies [n, R] in float32 on the model's
-    device, 0 where the response is padding (entropy 0 unless asked for).
+    device, 0 where the response is padding (entropy 0 unless asked for). `model` is a Policy
+    (a TrainEngine's `policy`) or a plain HF causal LM.
     ids/mask/positions: [n, P+R]; responses: [n, R]."""
-    device = next(model.parameters()).device
+    if not isinstance(model, Policy) and isinstance(next(model.parameters()), DTensor):
+        raise TypeError("an FSDP-sharded model runs forwards through its TrainEngine's `policy`")
+    policy = model if isinstance(model, Policy) else Policy(model)
+    device = next(policy.parameters()).device
     ids, mask, positions, responses = (x.to(device) for x in (ids, mask, positions, responses))
     valid = mask[:, -responses.shape[1]:].bool()  # [n, R]
-    hidden = response_hidden(model, ids, mask, positions, valid, pack)
-    logp, ent = chunked_token_stats(model.get_output_embeddings(), hidden, responses[valid],
-                                    temperature or 1.0, entropy, chunk)
+    logp, ent = policy(ids, mask, positions, valid, responses[valid], temperature or 1.0, pack, entropy, chunk)
     zeros = torch.zeros(valid.shape, device=device)
     return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, ent)
+
+
+def in_step(model: Any, count: int) -> int:
+    """How many forwards every rank runs when this one has `count`: FSDP2 gathers weights in
+    each forward, so its ranks must run the same number (the max; the rest run `idle_forward`)."""
+    if not isinstance(model, FSDPModule) or dist.get_world_size() == 1:
+        return count
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([count], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def idle_forward(policy: Policy) -> torch.Tensor:
+    """A one-token forward whose loss is 0: it joins the other ranks' weight gathers and gradient
+    reductions without moving the weights."""
+    device = next(policy.parameters()).device
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # one prompt token, one response token
+    valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+    logp, _ = policy(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], valid, ids[0, 1:], 1.0,
+                     False, False, LOGITS_CHUNK_TOKENS)
+    return logp.sum() * 0.0
 
 
 def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
@@ -161,43 +214,73 @@ def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positio
     grows with the square of the budget."""
     logps = torch.zeros(responses.shape)
     ents = torch.zeros(responses.shape)
+    chunks = micro_batches(mask, budget, pack)
     with torch.no_grad():
-        for rows in micro_batches(mask, budget, pack):
+        for rows in chunks:
             logp, ent = forward_logprobs(model, ids[rows], mask[rows], positions[rows], responses[rows],
                                          temperature, pack, with_entropy)
             logps[rows], ents[rows] = logp.cpu(), ent.cpu()
+        for _ in range(in_step(model, len(chunks)) - len(chunks)):
+            idle_forward(model)
     return logps, (ents if with_entropy else None)
 
 
+def process_group(device: torch.device) -> None:
+    """A one-rank default group when the caller made none (one process), so FSDP2 always runs."""
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
+
+
 class TrainEngine:
+    """The policy under FSDP2 over the default process group's W ranks: every decoder layer its own
+    unit, the embeddings, final norm and lm_head in the root (`policy`). Master weights and AdamW
+    state are float32 shards; forward and backward run in `dtype`; gradients are reduced in
+    float32 and summed (not averaged) over ranks, because losses already divide by all-rank counts.
+
+    `model` is the HF module (its parameters are DTensor shards); run forwards through `policy`."""
+
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str) -> None:
         self.device = torch.device(device)
+        process_group(self.device)
         self.model: Any = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[dtype], attn_implementation=attn_implementation(self.device, DTYPES[dtype]))
+            model_path, dtype=torch.float32, attn_implementation=attn_implementation(self.device, DTYPES[dtype]))
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
+        self.policy: Any = Policy(self.model)
+        mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
+        precision = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=precision)
+        fully_shard(self.policy, mesh=mesh, mp_policy=precision)
+        for unit in self.policy.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
         self.grad_clip = grad_clip
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=weight_decay,
                                            fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(warmup_steps, total_steps, schedule))
         self.skipped_steps = 0
         self.consecutive_skips = 0  # reset by every finite step
+        self._host: dict[torch.Tensor, torch.Tensor] = {}  # optimizer tensor -> its pinned CPU copy
+        self._offloaded = False
 
     def step(self, losses: Callable[[], list[Callable[[], torch.Tensor]]]) -> dict[str, float]:
-        """One optimizer step: backward every micro-batch loss, all-reduce, clip, update."""
+        """One optimizer step: backward every micro-batch loss (ranks with fewer micro-batches run
+        idle ones), clip, update."""
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for micro_loss in losses():
+        micro = losses()
+        for micro_loss in micro + [partial(idle_forward, self.policy)] * (in_step(self.policy, len(micro)) - len(micro)):
             loss = micro_loss()
             loss.backward()
             total += float(loss.detach())
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if dist.is_available() and dist.is_initialized():
-            for p in params:
-                dist.all_reduce(p.grad)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.grad_clip))
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         lr = float(self.scheduler.get_last_lr()[0])
         if not (math.isfinite(grad_norm) and math.isfinite(total)):
             self.skipped_steps += 1
@@ -210,11 +293,56 @@ class TrainEngine:
         return {"grad_norm": grad_norm, "lr": lr, "loss": total, "skipped_steps": self.skipped_steps,
                 "consecutive_skips": self.consecutive_skips}
 
+    def offload(self) -> None:
+        """Free this rank's gradients and move its optimizer state to pinned CPU memory (same
+        tensors: their device storage is released and later refilled), for generation's memory."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type != "cuda" or self._offloaded:
+            return
+        for t in self._optimizer_tensors():
+            if t not in self._host:  # pinned buffers are made once and reused
+                self._host[t] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host[t].copy_(t, non_blocking=True)
+        torch.cuda.synchronize()
+        for t in self._host:
+            t.untyped_storage().resize_(0)
+        self._offloaded = True
+
+    def onload(self) -> None:
+        """Bring the optimizer state back after `offload` (a no-op otherwise)."""
+        if not self._offloaded:
+            return
+        for t, host in self._host.items():
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.copy_(host, non_blocking=True)
+        self._offloaded = False
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        """AdamW's moment shards (local tensors of DTensors), not its scalar step counts."""
+        out = []
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                local = v.to_local() if isinstance(v, DTensor) else v
+                if isinstance(local, torch.Tensor) and local.dim() and local.is_cuda:
+                    out.append(local)
+        return out
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole model with HF names on the CPU, on rank 0 (empty elsewhere); every rank calls."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Full HF-named tensors (every rank passes them) into this rank's shards."""
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "skipped_steps": self.skipped_steps}
+        """Optimizer (this rank's shards, for torch.distributed.checkpoint), schedule and counters."""
+        self.onload()  # an offloaded optimizer state has no device storage to read
+        return {"optimizer": get_optimizer_state_dict(self.policy, self.optimizer),
+                "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.onload()
+        set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]

@@ -77,9 +77,8 @@ def evaluate(cfg: Config, model_dir: Path, files: list[str], tracker: Tracker) -
     r = cfg.rollout
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cfg.model.dtype))
-    model.to(device)
-    rollout = build_rollout(r.backend, model, tokenizer, str(model_dir), cfg.data.max_prompt_tokens + r.max_new_tokens,
+    rollout = build_rollout(r.backend, tokenizer, str(model_dir), r.dtype, device,
+                            cfg.data.max_prompt_tokens + r.max_new_tokens,
                             cfg.data.prompts_per_step * r.samples_per_prompt, r.kv_cache_memory)
     prompts, counts = load_prompts(files, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
     prompts = prompts[:cfg.data.val_max_prompts or None]

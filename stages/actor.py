@@ -1,8 +1,10 @@
 """The hybrid actor stage: one process that generates with the rollout engine and trains the policy.
 
 Verbs: `generate`, `logprobs`, `advantages`, `update`, `sft_update`, `save`, `load`, `export`.
-The rollout engine and the trainer share one set of weights, so there is nothing to sync after
-an update on one device.
+The trainer (FSDP2 shards) and the rollout engine (its own layout, on the same device) hold
+separate copies of the weights; after every update `engine.reshard` moves the trainer's into
+the rollout's in place. `update`, `sft_update`, `save`, `load` and `export` are collective:
+every rank of the pool calls them together.
 
 Invariants:
 - sampling is seeded from (trainer.seed, step, rank): a resumed step draws the same samples;
@@ -23,12 +25,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from engine import algos
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
+from engine.reshard import weight_sync
 from engine.rollout import SamplingParams, build_rollout, left_pad
 from engine.train import TrainEngine, all_reduce_sum, forward_logprobs, micro_batches, response_logprobs
 
@@ -52,20 +56,18 @@ class ActorRollout:
                                                                             a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device)
         r = cfg.rollout
-        self.rollout = build_rollout(r.backend, self.engine.model, self.tokenizer, model_path,
+        self.rollout = build_rollout(r.backend, self.tokenizer, model_path, r.dtype, device,
                                      cfg.data.max_prompt_tokens + r.max_new_tokens,
                                      -(-cfg.data.prompts_per_step * r.samples_per_prompt // world), r.kv_cache_memory)
+        self.sync_rollout = weight_sync(self.engine.model, self.rollout)  # collective: every rank calls it
         alg = cfg.algorithm
         self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
                        if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))
 
     # -- rollout ---------------------------------------------------------------------------
-    def sync_rollout(self) -> None:
-        """Give the rollout engine the trainer's current weights (a no-op when they share them)."""
-        self.rollout.load_weights(self.engine.model.named_parameters())
-
     def generate(self, request: RolloutRequest) -> Batch:
         start = time.perf_counter()
+        self._to_generation()
         r = self.cfg.rollout
         params = SamplingParams(
             temperature=0.0 if request.greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
@@ -95,21 +97,45 @@ class ActorRollout:
             baseline_responses=expand(baseline),
         )
         batch.timing["gen"] = time.perf_counter() - start
+        peak_memory("gen", batch.metrics)
         return batch
+
+    def _to_generation(self) -> None:
+        """Give generation the memory training holds only between updates (per config)."""
+        if self.cfg.actor.offload_optimizer:
+            self.engine.offload()
+        if self.cfg.rollout.free_cache:
+            self.rollout.resume_memory()
+
+    def _to_training(self) -> None:
+        if self.cfg.rollout.free_cache:
+            self.rollout.release_memory()
+        self.engine.onload()
 
     # -- training --------------------------------------------------------------------------
     def logprobs(self, batch: Batch) -> Batch:
-        """Old-policy logprobs, plus how far they are from what the rollout engine reported."""
+        """Old-policy logprobs, plus how far they are from what the rollout engine reported.
+
+        On-policy (one epoch, one mini-batch, no KL in the reward) the weights that generated are
+        the weights the one update starts from: the update's own forward gives the old logprobs
+        (detached) and the mismatch metrics, and this forward is skipped."""
         start = time.perf_counter()
+        self._to_training()
+        a = self.cfg.actor
+        if a.ppo_epochs == 1 and a.mini_batch_prompts == self.cfg.data.prompts_per_step and \
+                not self.cfg.algorithm.kl_in_reward:
+            batch.timing["old_log_prob"] = time.perf_counter() - start
+            return batch
         ids, mask, pos = batch.sequences()
         batch.old_logprobs, _ = response_logprobs(
-            self.engine.model, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
+            self.engine.policy, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
             self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
         diff = (batch.old_logprobs.exp() - batch.rollout_logprobs.exp()).abs()
         valid = batch.response_mask.bool()
         batch.metrics["training/rollout_probs_diff_mean"] = float(diff[valid].mean())
         batch.metrics["training/rollout_probs_diff_max"] = float(diff[valid].max())
         batch.timing["old_log_prob"] = time.perf_counter() - start
+        peak_memory("old_log_prob", batch.metrics)
         return batch
 
     def advantages(self, batch: Batch) -> Batch:
@@ -136,6 +162,7 @@ class ActorRollout:
     def update(self, batch: Batch) -> dict:
         """PPO-clip epochs over mini-batches; returns the step's metrics, timings and samples."""
         start = time.perf_counter()
+        self._to_training()
         a = self.cfg.actor
         rows = a.mini_batch_prompts // self.world * batch.group_size
         stats: dict[str, list[float]] = {}
@@ -150,7 +177,8 @@ class ActorRollout:
             self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
         self.sync_rollout()
         batch.timing["update_actor"] = time.perf_counter() - start
-        metrics = {k: float(np.mean(v)) for k, v in stats.items()}
+        metrics = {k: float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in stats.items()}
+        peak_memory("update_actor", metrics)
         metrics["actor/skipped_steps"] = self.engine.skipped_steps
         metrics["actor/consecutive_skipped_steps"] = self.engine.consecutive_skips
         return {"metrics": {**batch_metrics(batch), **metrics}, "timing": batch.timing,
@@ -165,18 +193,27 @@ class ActorRollout:
                 for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)]
 
     def _loss(self, mini: Batch, r: torch.Tensor, ids, attn, pos, denom: float, stats) -> torch.Tensor:
-        a, mask = self.cfg.actor, mini.response_mask[r]
-        logp, entropy = forward_logprobs(self.engine.model, ids[r], attn[r], pos[r], mini.response_ids[r],
+        """One micro-batch's loss, computed on the model's device."""
+        a = self.cfg.actor
+        logp, entropy = forward_logprobs(self.engine.policy, ids[r], attn[r], pos[r], mini.response_ids[r],
                                          self.cfg.rollout.temperature, a.pack_sequences)
-        logp, entropy = logp.cpu(), entropy.cpu()
+        on = lambda x: x[r].to(logp.device)  # noqa: E731
+        mask = on(mini.response_mask)
+        if mini.old_logprobs.numel():
+            old = on(mini.old_logprobs)
+        else:  # on-policy: these weights generated the batch (see `logprobs`)
+            old = logp.detach()
+            diff = (old.exp() - on(mini.rollout_logprobs).exp()).abs()[mask.bool()]
+            stats.setdefault("training/rollout_probs_diff_mean", []).append(float(diff.mean()))
+            stats.setdefault("training/rollout_probs_diff_max", []).append(float(diff.max()))
         norm_len = self.cfg.rollout.max_new_tokens
-        loss, m = algos.policy_loss(logp, mini.old_logprobs[r], mini.advantages[r], mask, a.clip_low,
+        loss, m = algos.policy_loss(logp, old, on(mini.advantages), mask, a.clip_low,
                                     a.clip_high, a.dual_clip or None, a.loss_agg, denom, norm_len, a.policy_loss)
         stats.setdefault("actor/entropy", []).append(float(algos.masked_mean(entropy.detach(), mask)))
         if a.entropy_coef:
             loss = loss - a.entropy_coef * algos.agg_loss(entropy, mask, a.loss_agg, denom, norm_len)
         if mini.ref_logprobs.numel():  # a reference stage ran
-            kl = algos.kl_penalty(logp, mini.ref_logprobs[r], a.kl_loss_type)
+            kl = algos.kl_penalty(logp, on(mini.ref_logprobs), a.kl_loss_type)
             stats.setdefault("actor/kl_loss", []).append(float(algos.masked_mean(kl.detach(), mask)))
             if a.kl_loss_coef:
                 loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, a.loss_agg, denom, norm_len)
@@ -196,9 +233,9 @@ class ActorRollout:
         a = self.cfg.actor
 
         def loss(r: torch.Tensor) -> torch.Tensor:
-            logp, _ = forward_logprobs(self.engine.model, ids[r], attn[r], pos[r], batch.response_ids[r],
+            logp, _ = forward_logprobs(self.engine.policy, ids[r], attn[r], pos[r], batch.response_ids[r],
                                        1.0, a.pack_sequences, entropy=False)
-            return -(logp.cpu() * batch.response_mask[r]).sum() / denom
+            return -(logp * batch.response_mask[r].to(logp.device)).sum() / denom
 
         chunks = micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)
         out = self.engine.step(lambda: [partial(loss, r) for r in chunks])
@@ -207,14 +244,16 @@ class ActorRollout:
 
     # -- state -----------------------------------------------------------------------------
     def save(self, directory: str) -> None:
-        """Write this rank's part of a checkpoint into `directory` (a temp dir the driver seals)."""
+        """Write this rank's part of a checkpoint into `directory` (a temp dir the driver seals):
+        rank 0 the full model as a HF directory, every rank its optimizer shard (torch distributed
+        checkpoint, loadable at another world size) and its RNG state."""
         d = Path(directory)
+        full = self.engine.full_state_dict()  # collective; the tensors land on rank 0
         if self.rank == 0:
-            state = {k: v.detach().cpu().contiguous() for k, v in self.engine.model.state_dict().items()}
-            save_file(_untie(state), d / "model.safetensors", metadata={"format": "pt"})
+            save_file(_untie(full), d / "model.safetensors", metadata={"format": "pt"})
             self.engine.model.config.save_pretrained(d)  # with the tokenizer: a loadable HF directory
             self.tokenizer.save_pretrained(d)
-            torch.save(self.engine.state_dict(), d / "trainer.pt")
+        dcp.save(self.engine.state_dict(), checkpoint_id=d / "trainer")
         nps = np.random.get_state(legacy=False)
         rng = {"python": list(random.getstate()[1]), "torch": torch.get_rng_state(),
                "numpy": [torch.tensor(nps["state"]["key"].tolist(), dtype=torch.int64), int(nps["state"]["pos"]),
@@ -224,8 +263,10 @@ class ActorRollout:
 
     def load(self, directory: str) -> None:
         d = Path(directory)
-        self.engine.model.load_state_dict(load_file(d / "model.safetensors"), strict=False)
-        self.engine.load_state_dict(torch.load(d / "trainer.pt", weights_only=True))
+        self.engine.load_full_state_dict(load_file(d / "model.safetensors"))
+        state = self.engine.state_dict()
+        dcp.load(state, checkpoint_id=d / "trainer")
+        self.engine.load_state_dict(state)
         own = d / f"worker_{self.rank}.pt"
         if own.exists():  # a checkpoint from fewer ranks has no RNG state for this one
             rng = torch.load(own, weights_only=True)
@@ -239,10 +280,19 @@ class ActorRollout:
         self.sync_rollout()
 
     def export(self, directory: str) -> None:
-        """A HF directory (safetensors, config, tokenizer) that from_pretrained loads."""
+        """A HF directory (safetensors, config, tokenizer) that from_pretrained loads; every rank
+        calls it, rank 0 writes."""
+        full = self.engine.full_state_dict()
         if self.rank == 0:
-            self.engine.model.save_pretrained(directory)
+            self.engine.model.save_pretrained(directory, state_dict=full)
             self.tokenizer.save_pretrained(directory)
+
+
+def peak_memory(phase: str, metrics: dict[str, float]) -> None:
+    """`perf/max_memory_allocated_gb/<phase>`: this process's CUDA peak since the last phase ended."""
+    if torch.cuda.is_available():
+        metrics[f"perf/max_memory_allocated_gb/{phase}"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
 
 
 def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

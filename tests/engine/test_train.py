@@ -55,7 +55,7 @@ def test_packed_forward_matches_padded_values_and_gradients(model_dir):
     grads, values = [], []
     for pack in (True, False):
         engine.model.zero_grad()
-        logp, ent = forward_logprobs(engine.model, ids, mask, pos, responses, 0.7, pack, chunk=5)
+        logp, ent = forward_logprobs(engine.policy, ids, mask, pos, responses, 0.7, pack, chunk=5)
         loss = (logp.sum() + 0.1 * ent.sum()) / mask.sum()
         loss.backward()
         values.append((logp, ent))
@@ -66,7 +66,7 @@ def test_packed_forward_matches_padded_values_and_gradients(model_dir):
     for (name, _), a, b in zip(engine.model.named_parameters(), *grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=name)
     # a padded row leaks into its neighbours if the packed attention ignored sequence boundaries
-    alone, _ = forward_logprobs(engine.model, ids[1:2], mask[1:2], pos[1:2], responses[1:2], 0.7, True)
+    alone, _ = forward_logprobs(engine.policy, ids[1:2], mask[1:2], pos[1:2], responses[1:2], 0.7, True)
     torch.testing.assert_close(alone[0], values[0][0][1].detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -91,13 +91,15 @@ def test_lr_schedule():
     assert lr_lambda(0, 10, "constant")(9) == 1.0
 
 
-def sft_losses(engine, ids, per_micro):
-    """Summed-token cross-entropy over a fixed denominator, split into micro-batches of `per_micro` rows."""
-    denom = float(ids[:, 1:].numel())
+def sft_losses(engine, ids, per_micro, denom=None):
+    """Summed-token cross-entropy over a fixed denominator (all of `ids`' targets unless given),
+    split into micro-batches of `per_micro` rows."""
+    denom = denom or float(ids[:, 1:].numel())
 
     def loss(rows):
-        logits = engine.model(input_ids=ids[rows]).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[rows][:, 1:, None]).squeeze(-1)
+        x = ids[rows]
+        ones = torch.ones_like(x)
+        logp, _ = forward_logprobs(engine.policy, x, ones, ones.cumsum(1) - 1, x[:, 1:], 1.0, False, entropy=False)
         return -logp.sum() / denom
 
     return lambda: [lambda r=slice(i, i + per_micro): loss(r) for i in range(0, len(ids), per_micro)]
@@ -119,7 +121,65 @@ def test_one_micro_batch_of_8_equals_8_of_1(model_dir):
 def test_non_finite_loss_skips_the_step(model_dir):
     engine = TrainEngine(str(model_dir), 1e-2, 0.0, 1.0, 0, 10, "constant", "float32", "cpu")
     before = [p.detach().clone() for p in engine.model.parameters()]
-    nan = lambda: [lambda: engine.model.model.embed_tokens.weight.sum() * float("nan")]  # noqa: E731
+    ids = torch.randint(3, 90, (2, 6))
+    ones = torch.ones_like(ids)
+    nan = lambda: [lambda: forward_logprobs(engine.policy, ids, ones, ones.cumsum(1) - 1, ids[:, 1:], 1.0,  # noqa: E731
+                                            False)[0].sum() * float("nan")]
     out = engine.step(nan)
     assert out["skipped_steps"] == 1 and out["consecutive_skips"] == 1
     assert all(torch.equal(p, q) for p, q in zip(before, engine.model.parameters()))
+
+
+def _dp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dtype: str, out: str) -> None:
+    """Three optimizer steps on rank's rows of one fixed batch; rank 0 saves losses, grads, norms."""
+    import torch.distributed as dist
+
+    from engine.train import all_reduce_sum
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    engine = TrainEngine(model_dir, 1e-3, 0.0, 1.0, 0, 10, "constant", dtype, device)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 90, (8, 6))
+    mine, per_micro = ids[rank::world], 1 if rank == 0 else 4  # unequal micro-batch counts over ranks
+    losses, norms, grads = [], [], []
+    for step in range(3):
+        result = engine.step(sft_losses(engine, mine, per_micro, float(ids[:, 1:].numel())))
+        losses.append(all_reduce_sum(result["loss"]))
+        norms.append(result["grad_norm"])
+        if step == 0:
+            grads = [p.grad.full_tensor().float().cpu() for p in engine.policy.parameters()]
+    if rank == 0:
+        torch.save({"losses": losses, "norms": norms, "grads": grads}, out)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs")])])
+def test_fsdp_over_two_ranks_matches_one(model_dir, tmp_path, device):
+    """FSDP2 over 2 ranks, each with half the rows and a different micro-batch count, trains like
+    one rank with all of them: same losses over 3 steps, same first gradients (fp32 on CPU: float
+    noise; bf16 on GPUs: bf16 tolerance)."""
+    import torch.multiprocessing as mp
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    runs = {}
+    for world in (1, 2):
+        out = str(tmp_path / f"world{world}.pt")
+        mp.spawn(_dp_worker, args=(world, _free_port(), str(model_dir), device, dtype, out), nprocs=world)
+        runs[world] = torch.load(out, weights_only=True)
+    rtol, atol = (1e-5, 1e-7) if dtype == "float32" else (2e-2, 2e-3)
+    torch.testing.assert_close(torch.tensor(runs[2]["losses"]), torch.tensor(runs[1]["losses"]), rtol=rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(runs[2]["norms"]), torch.tensor(runs[1]["norms"]), rtol=10 * rtol, atol=0)
+    for a, b in zip(runs[2]["grads"], runs[1]["grads"]):
+        torch.testing.assert_close(a, b, rtol=10 * rtol, atol=atol)

@@ -27,6 +27,15 @@ def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
+def test_one_gpu_run_offloads_and_resumes(tmp_path):
+    """Two steps with the optimizer offloaded and the KV cache freed while training, then a third
+    from the checkpoint (torch DCP optimizer shards)."""
+    first = train(tmp_path, "trainer.total_steps=2", "actor.offload_optimizer=true", "rollout.free_cache=true")
+    assert "resumed from" not in first.stdout
+    resumed = train(tmp_path, "trainer.total_steps=3")
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_checkpoint_from_two_gpus_resumes_on_one(tmp_path):
     train(tmp_path, "placement.workers=2", "trainer.total_steps=2")  # NCCL data parallel

@@ -6,6 +6,7 @@ import torch
 from engine.batch import RolloutRequest
 from engine.config import load_config
 from engine.data import load_prompts
+from engine.train import response_logprobs
 from stages.actor import ActorRollout
 from stages.reference import Reference
 from stages.reward import Reward
@@ -100,14 +101,15 @@ def test_export_loads_with_transformers(model_dir, tmp_path):
     actor.export(str(tmp_path / "hf"))
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert AutoTokenizer.from_pretrained(tmp_path / "hf").decode([5, 6]) == actor.tokenizer.decode([5, 6])
-    for k, v in actor.engine.model.state_dict().items():
+    for k, v in actor.engine.full_state_dict().items():
         assert torch.equal(v, model.state_dict()[k]), k
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_files, tmp_path, loss_agg):
     """One optimizer step over 8 prompts x 2 samples: packed or padded, in one micro-batch or many,
-    the old logprobs, loss and gradient agree."""
+    with old logprobs from the update's own forward (on-policy) or recomputed, the loss and gradient
+    agree."""
     from dataclasses import replace
 
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
@@ -118,17 +120,26 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
     actor, reward = ActorRollout(cfg, str(model_dir)), Reward(cfg)
     prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
     batch = actor.advantages(actor.logprobs(reward.score(actor.generate(RolloutRequest(prompts[:8], step=0)))))
+    assert batch.old_logprobs.numel() == 0, "one epoch of one mini-batch is on-policy: the update's forward gives them"
     assert len(set(batch.response_mask.sum(1).tolist())) > 1, "the equivalence needs mixed lengths"
     start = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
     results = []
     for pack, budget in [(False, 1024), (True, 1024), (True, 28), (False, 28)]:  # 28: one row per padded micro-batch
         actor.cfg = replace(cfg, actor=replace(cfg.actor, pack_sequences=pack, micro_batch_tokens_per_gpu=budget))
         actor.engine.model.load_state_dict(start)
-        old = actor.logprobs(batch.rows(slice(None))).old_logprobs
-        loss = actor.update(batch.rows(slice(None)))["metrics"]["actor/pg_loss"]
-        results.append((old, loss, [p.grad.clone() for p in actor.engine.model.parameters()]))
-    for old, loss, grads in results[1:]:
-        torch.testing.assert_close(old, results[0][0], rtol=1e-5, atol=1e-6)
-        assert loss == pytest.approx(results[0][1], rel=1e-5, abs=1e-8)
+        m = actor.update(batch.rows(slice(None)))["metrics"]
+        results.append((m["actor/pg_loss"], m["training/rollout_probs_diff_max"],
+                        [p.grad.clone() for p in actor.engine.model.parameters()]))
+    # recomputed old logprobs (what a second epoch or mini-batch would use) give the same update
+    actor.engine.model.load_state_dict(start)
+    recomputed = batch.rows(slice(None))
+    recomputed.old_logprobs, _ = response_logprobs(actor.engine.policy, *recomputed.sequences(), recomputed.response_ids,
+                                                   cfg.rollout.temperature, 1024)
+    m = actor.update(recomputed)["metrics"]
+    results.append((m["actor/pg_loss"], results[0][1], [p.grad.clone() for p in actor.engine.model.parameters()]))
+    for loss, mismatch, grads in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-5, abs=1e-8)
+        assert mismatch == pytest.approx(results[0][1], rel=1e-3, abs=1e-7)
         for (name, _), a, b in zip(actor.engine.model.named_parameters(), grads, results[0][2]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=name)
+    assert results[0][1] < 1e-4  # trainer and rollout agree (fp32)
