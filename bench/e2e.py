@@ -240,6 +240,7 @@ def read_metrics(uri: str) -> dict[str, dict[int, float]]:
     """{metric: {step: value}} of the only run in the bench's experiment."""
     from mlflow import MlflowClient
 
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # the skinny package's store (see tracking_uri)
     client = MlflowClient(uri)
     [run] = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
     if run.info.status != "FINISHED":
@@ -313,6 +314,8 @@ def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train:
     out = summarise(got["steps"], args.warmup)
     out.update(framework="TRL", mode=mode, micro_batch=f"{micro} seqs", peak_gib=peak.gib,
                alloc_gib=got["alloc_gib"], settings={k: v for k, v in kwargs.items() if k != "output_dir"})
+    print(f"  TRL {mode}: step {out['step_s']:.3f} s = gen {out['gen_s']:.3f} + the rest; "
+          f"{out['tok_s_gpu']:.0f} tok/s/GPU", flush=True)
     return out
 
 
