@@ -1,4 +1,5 @@
-"""Training engine: a causal LM, its optimizer and lr schedule, micro-batched forward/backward.
+"""Training engine: a HF model (a causal LM unless told), its optimizer and lr schedule, micro-batched
+forward/backward. The critic trains through it too, as a token-classification model with one label.
 
 Data parallelism: each rank holds the full model and a shard of the batch; gradients are
 SUM-reduced across ranks. Losses divide by the global (all-rank) token or sequence count, so
@@ -171,10 +172,13 @@ def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positio
 
 class TrainEngine:
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
-                 warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str) -> None:
+                 warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
+                 model_cls: Any = AutoModelForCausalLM, **model_kwargs: Any) -> None:
+        """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module."""
         self.device = torch.device(device)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=DTYPES[dtype], attn_implementation=attn_implementation(self.device, DTYPES[dtype]))
+        self.model: Any = model_cls.from_pretrained(
+            model_path, dtype=DTYPES[dtype], attn_implementation=attn_implementation(self.device, DTYPES[dtype]),
+            **model_kwargs)
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
         self.grad_clip = grad_clip
