@@ -2,6 +2,7 @@
 
 Layout under `<output_dir>/checkpoints/`:
     step_000010/  model.safetensors  trainer.pt  worker_<rank>.pt  driver.json  COMPLETE
+                  (PPO also: critic.safetensors  critic_trainer.pt)
     latest        (text: the name of the newest complete checkpoint)
 
 Invariants:
