@@ -2,7 +2,8 @@
 
 One compiled-graph run of 2 steps (the first trains only the critic), then the same run resumed
 from its step-1 checkpoint in plain mode: its step 2 must repeat the first run's exactly, which
-holds only if the critic's weights and optimizer state travel with the checkpoint.
+holds only if the critic's weights and optimizer state travel with the checkpoint. And one step
+with the critic in its own pool of two data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -60,3 +61,16 @@ def test_ppo_trains_critic_then_actor_and_resumes_in_plain_mode(tmp_path: Path):
         twice = [value for step, value in points if step == 2]
         assert len(twice) in (0, 2) and len(set(twice)) <= 1, (key, points)  # step 2 replayed exactly
     assert len([v for s, v in again["critic/vf_loss"] if s == 2]) == 2
+
+
+def test_critic_in_its_own_pool_over_two_ranks(tmp_path: Path):
+    # two data-parallel ranks (gloo) in each pool; the critic's gradients all-reduce in its own group
+    rlflow(tmp_path, "out", *TINY, "trainer.total_steps=1", "critic.warmup_steps=0", "placement.workers=2",
+           "placement.own_pool=[critic]", conf="ppo.yaml")
+    client, run = only_run(tmp_path)
+    metrics = {k: dict(v) for k, v in history(client, run.info.run_id).items()}
+    for key in (*CRITIC, "actor/pg_loss"):
+        assert list(metrics[key]) == [1], key
+    out = tmp_path / "out"
+    assert backbone_changed(load_file(out / "warmstart" / "model.safetensors"),
+                            load_file(out / "checkpoints" / "step_000001" / "critic.safetensors"))
