@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--tracking-uri", required=True)
     ap.add_argument("--run-id", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--title", default="rlflow train (embedded default): warm-start, then GRPO")
     args = ap.parse_args()
     client = MlflowClient(args.tracking_uri)
     t0 = client.get_run(args.run_id).info.start_time
@@ -51,7 +52,7 @@ def main() -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
-    ax.set_title("rlflow train (embedded default): warm-start, then GRPO")
+    ax.set_title(args.title)
     fig.tight_layout()
     fig.savefig(args.out, dpi=110)
 

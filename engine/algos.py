@@ -332,6 +332,17 @@ def value_loss(
     return loss, {"vf_clipfrac": masked_mean((clipped > plain).to(values.dtype), mask).detach()}
 
 
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """``1 - Var(returns - values) / Var(returns)`` over valid tokens, population variances. Inputs [N, T].
+
+    1 is a perfect critic, 0 one no better than the mean return, < 0 worse; 0-dim, detached.
+    """
+    def var(x: Tensor) -> Tensor:
+        return masked_mean((x - masked_mean(x, mask)).square(), mask)
+
+    return (1.0 - var(returns - values) / var(returns).clamp(min=1e-8)).detach()
+
+
 def dpo_loss(
     chosen_logp: Tensor, rejected_logp: Tensor, ref_chosen_logp: Tensor, ref_rejected_logp: Tensor, beta: float
 ) -> tuple[Tensor, dict[str, Tensor]]:

@@ -9,8 +9,8 @@ Invariants:
 - rows of one prompt are contiguous (`group_size` of them), which the group advantages rely on;
 - fields start empty (0-element tensors, empty lists) and each stage fills its own:
   rollout -> response_*, rollout_logprobs (and baseline_responses for ReMax); reward -> scores
-  (and baseline_scores); reference -> ref_logprobs;
-  actor -> old_logprobs, then advantages;
+  (and baseline_scores); reference -> ref_logprobs; critic -> values;
+  actor -> old_logprobs, then advantages (and, for GAE, the critic's returns);
 - `timing` and `metrics` accumulate per-phase numbers on the way to the driver.
 """
 
@@ -43,8 +43,11 @@ class Batch:
     ref_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]
     old_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]
     advantages: torch.Tensor = field(default_factory=_empty)  # [N, R]
+    values: torch.Tensor = field(default_factory=_empty)  # [N, R] float32, critic: V of the state before token t
+    returns: torch.Tensor = field(default_factory=_empty)  # [N, R] GAE's advantage + value: the critic's target
     baseline_responses: list[str] = field(default_factory=list)  # ReMax: the prompt's greedy response, per row
     baseline_scores: torch.Tensor = field(default_factory=_empty)  # [N] ReMax: the reward of that response
+    step: int = 0  # the RL step whose rollout made these rows (RolloutRequest.step)
     timing: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -73,12 +76,13 @@ class Batch:
 
     @staticmethod
     def cat(batches: list[Batch]) -> Batch:
-        """The rows of several batches in order, re-padded to the widest; timing and metrics stay empty.
+        """The rows of several batches in order, re-padded to the widest; timing and metrics stay empty,
+        group size and step are the first batch's.
 
         Prompts are left-padded and responses right-padded again, with 0 under a 0 mask.
         """
         first = batches[0]
-        joined: dict = {"group_size": first.group_size, "timing": {}, "metrics": {}}
+        joined: dict = {"group_size": first.group_size, "step": first.step, "timing": {}, "metrics": {}}
         for name, value in vars(first).items():
             if isinstance(value, torch.Tensor) and value.numel():
                 joined[name] = _cat_padded([getattr(b, name) for b in batches], left=name.startswith("prompt"))

@@ -3,6 +3,7 @@
 Layout under `<output_dir>/checkpoints/`:
     step_000010/  model.safetensors  config.json  tokenizer files  trainer/ (optimizer shards, torch DCP)
                   worker_<rank>.pt  driver.json  COMPLETE
+                  (PPO also: critic.safetensors  critic_trainer/)
     latest        (text: the name of the newest complete checkpoint)
 
 Invariants:

@@ -79,15 +79,25 @@ class ActorConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"
-    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax (greedy baseline)
+    name: str = "grpo"  # grpo | ppo (a run label; ppo goes with advantage=gae)
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | gae (critic)
     gamma: float = 1.0
+    lam: float = 1.0  # GAE lambda: 1 = Monte Carlo return minus the value, 0 = one-step TD
     kl_in_reward: bool = False
     kl_coef: float = 0.001
     kl_penalty: str = "k1"
     kl_target: float = 0.0  # > 0 makes the in-reward KL coefficient adaptive
     kl_horizon: int = 10000
     dynamic_sampling_tries: int = 0  # DAPO: > 0 drops groups with equal rewards, generating up to this many rounds
+
+
+@dataclass
+class CriticConfig:
+    """The value model of `algorithm.advantage=gae`: the policy's backbone with a one-output head, trained with
+    its own optimizer; batch sizes, epochs, grad clip, weight decay and lr schedule are the actor's."""
+    lr: float = 5e-4  # its own AdamW; batch sizes, epochs, grad clip and lr schedule are the actor's
+    warmup_steps: int = 0  # first RL steps that train only the critic, so the actor starts from useful values
+    cliprange_value: float = 0.5  # a value moves at most this far from its pre-update value per step (clipped loss)
 
 
 @dataclass
@@ -109,7 +119,7 @@ class WarmstartConfig:
 @dataclass
 class PlacementConfig:
     workers: int = 1  # data-parallel ranks of the hybrid actor pool, one process each
-    own_pool: list[str] = field(default_factory=list)  # roles split off the hybrid pool: reward, reference
+    own_pool: list[str] = field(default_factory=list)  # roles split off the hybrid pool: reward, reference, critic
     gpus_per_worker: float = 0.0  # 0 = CPU bundles
     torch_threads: int = 1  # per worker; idle compiled-graph actors spin a core each
 
@@ -141,6 +151,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -242,8 +253,8 @@ CHOICES = {
     "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
     "actor.kl_loss_type": {"k1", "k2", "k3", "abs"},
     "actor.policy_loss": {"ppo", "gspo", "cispo"},
-    "algorithm.name": {"grpo"},
-    "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"},
+    "algorithm.name": {"grpo", "ppo"},
+    "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"},
     "algorithm.kl_penalty": {"k1", "k2", "k3", "abs"},
     "reward.on_error": {"zero", "raise"},
     "trainer.dag": {"compiled", "plain"},
@@ -296,13 +307,33 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, and needs a ppo/gspo loss; got {a.dual_clip} "
                           f"with actor.policy_loss={a.policy_loss}")
     _validate_dapo(cfg)
-    if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage != "reinforce_pp":
-        raise ConfigError("algorithm.kl_in_reward needs algorithm.advantage=reinforce_pp (token-level "
+    _validate_critic(cfg)
+    if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage not in ("reinforce_pp", "gae"):
+        raise ConfigError("algorithm.kl_in_reward needs algorithm.advantage=reinforce_pp or gae (token-level "
                           "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
-    if set(p.own_pool) - {"reward", "reference"}:
-        raise ConfigError(f"placement.own_pool takes reward and/or reference, got {p.own_pool}")
+    if set(p.own_pool) - {"reward", "reference", "critic"}:
+        raise ConfigError(f"placement.own_pool takes reward, reference and/or critic, got {p.own_pool}")
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
         raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
+
+
+def _validate_critic(cfg: Config) -> None:
+    """PPO's critic exists exactly when advantages are GAE's."""
+    alg, c, gae = cfg.algorithm, cfg.critic, cfg.algorithm.advantage == "gae"
+    if (alg.name == "ppo") != gae:
+        raise ConfigError(f"algorithm.name={alg.name!r} with algorithm.advantage={alg.advantage!r}: PPO is the "
+                          "run whose advantages come from its critic, so name ppo goes with advantage gae")
+    if not (0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1):
+        raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {alg.gamma}, {alg.lam}")
+    if c.lr <= 0 or c.cliprange_value <= 0:
+        raise ConfigError(f"critic.lr and critic.cliprange_value must be > 0, got {c.lr}, {c.cliprange_value}")
+    if c.warmup_steps and not gae:
+        raise ConfigError("critic.warmup_steps needs algorithm.advantage=gae: only GAE runs a critic")
+    if not 0 <= c.warmup_steps < cfg.trainer.total_steps:
+        raise ConfigError(f"critic.warmup_steps must be in [0, trainer.total_steps={cfg.trainer.total_steps}), "
+                          f"or the actor never trains; got {c.warmup_steps}")
+    if "critic" in cfg.placement.own_pool and not gae:
+        raise ConfigError("placement.own_pool lists critic, but only algorithm.advantage=gae runs one")
 
 
 def _validate_dapo(cfg: Config) -> None:

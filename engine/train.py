@@ -1,4 +1,6 @@
-"""Training engine: a causal LM under FSDP2, its optimizer and lr schedule, micro-batched forward/backward.
+"""Training engine: a HF model under FSDP2 (a causal LM unless told; the critic trains a
+token-classification model with one label through it), its optimizer and lr schedule,
+micro-batched forward/backward.
 
 Data parallelism: FSDP2 over the default process group (one rank when the caller made no
 group): each rank holds a dim-0 shard of every weight and a shard of the batch; gradients are
@@ -164,16 +166,26 @@ class Policy(nn.Module):
         hidden = response_hidden(self.lm, ids, mask, positions, valid, pack)
         return chunked_token_stats(self.lm.get_output_embeddings(), hidden, targets, temperature, entropy, chunk)
 
+    def idle(self) -> torch.Tensor:
+        """A one-token forward whose loss is 0: it joins the other ranks' weight gathers and
+        gradient reductions without moving the weights."""
+        device = next(self.parameters()).device
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # one prompt token, one response token
+        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+        logp, _ = self(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], valid, ids[0, 1:], 1.0,
+                       False, False, LOGITS_CHUNK_TOKENS)
+        return logp.sum() * 0.0
+
 
 def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                      responses: torch.Tensor, temperature: float, pack: bool, entropy: bool = True,
                      chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's forward: response logprobs and entropies [n, R] in float32 on the model's
     device, 0 where the response is padding (entropy 0 unless asked for). `model` is a Policy
-    (a TrainEngine's `policy`) or a plain HF causal LM.
+    (a TrainEngine's `root`) or a plain HF causal LM.
     ids/mask/positions: [n, P+R]; responses: [n, R]."""
     if not isinstance(model, Policy) and isinstance(next(model.parameters()), DTensor):
-        raise TypeError("an FSDP-sharded model runs forwards through its TrainEngine's `policy`")
+        raise TypeError("an FSDP-sharded model runs forwards through its TrainEngine's `root`")
     policy = model if isinstance(model, Policy) else Policy(model)
     device = next(policy.parameters()).device
     ids, mask, positions, responses = (x.to(device) for x in (ids, mask, positions, responses))
@@ -185,24 +197,13 @@ def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, position
 
 def in_step(model: Any, count: int) -> int:
     """How many forwards every rank runs when this one has `count`: FSDP2 gathers weights in
-    each forward, so its ranks must run the same number (the max; the rest run `idle_forward`)."""
+    each forward, so its ranks must run the same number (the max; the rest run the root's `idle`)."""
     if not isinstance(model, FSDPModule) or dist.get_world_size() == 1:
         return count
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor([count], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
-
-
-def idle_forward(policy: Policy) -> torch.Tensor:
-    """A one-token forward whose loss is 0: it joins the other ranks' weight gathers and gradient
-    reductions without moving the weights."""
-    device = next(policy.parameters()).device
-    ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # one prompt token, one response token
-    valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-    logp, _ = policy(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], valid, ids[0, 1:], 1.0,
-                     False, False, LOGITS_CHUNK_TOKENS)
-    return logp.sum() * 0.0
 
 
 def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
@@ -221,7 +222,7 @@ def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positio
                                          temperature, pack, with_entropy)
             logps[rows], ents[rows] = logp.cpu(), ent.cpu()
         for _ in range(in_step(model, len(chunks)) - len(chunks)):
-            idle_forward(model)
+            model.idle()
     return logps, (ents if with_entropy else None)
 
 
@@ -233,33 +234,40 @@ def process_group(device: torch.device) -> None:
 
 
 class TrainEngine:
-    """The policy under FSDP2 over the default process group's W ranks: every decoder layer its own
-    unit, the embeddings, final norm and lm_head in the root (`policy`). Master weights and AdamW
-    state are float32 shards; forward and backward run in `dtype`; gradients are reduced in
-    float32 and summed (not averaged) over ranks, because losses already divide by all-rank counts.
+    """A HF model under FSDP2 over the default process group's W ranks: every decoder layer its own
+    unit, the embeddings, final norm and head in the root (`root`, a Policy for the actor). Master
+    weights and AdamW state are float32 shards; forward and backward run in `dtype`; gradients
+    are reduced in float32 and summed (not averaged) over ranks, because losses already divide by
+    all-rank counts.
 
-    `model` is the HF module (its parameters are DTensor shards); run forwards through `policy`."""
+    `model` is the HF module (its parameters are DTensor shards); run forwards through `root`,
+    whose `idle()` is the zero-loss forward of a rank that ran out of micro-batches."""
 
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
-                 warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str) -> None:
+                 warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
+                 root: Any = None, model_cls: Any = AutoModelForCausalLM, **model_kwargs: Any) -> None:
+        """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
+        (default `Policy`) the FSDP2 root every forward runs through."""
+        root = root or Policy
         self.device = torch.device(device)
         process_group(self.device)
-        self.model: Any = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation=attn_implementation(self.device, DTYPES[dtype]))
+        self.model: Any = model_cls.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=attn_implementation(self.device, DTYPES[dtype]),
+            **model_kwargs)
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
-        self.policy: Any = Policy(self.model)
+        self.root: Any = root(self.model)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         precision = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
         for layer in self.model.model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=precision)
-        fully_shard(self.policy, mesh=mesh, mp_policy=precision)
-        for unit in self.policy.modules():
+        fully_shard(self.root, mesh=mesh, mp_policy=precision)
+        for unit in self.root.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
         self.grad_clip = grad_clip
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=lr, weight_decay=weight_decay,
+        self.optimizer = torch.optim.AdamW(self.root.parameters(), lr=lr, weight_decay=weight_decay,
                                            fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(warmup_steps, total_steps, schedule))
@@ -274,11 +282,11 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         micro = losses()
-        for micro_loss in micro + [partial(idle_forward, self.policy)] * (in_step(self.policy, len(micro)) - len(micro)):
+        for micro_loss in micro + [self.root.idle] * (in_step(self.root, len(micro)) - len(micro)):
             loss = micro_loss()
             loss.backward()
             total += float(loss.detach())
-        params = [p for p in self.policy.parameters() if p.grad is not None]
+        params = [p for p in self.root.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         lr = float(self.scheduler.get_last_lr()[0])
@@ -338,11 +346,11 @@ class TrainEngine:
     def state_dict(self) -> dict:
         """Optimizer (this rank's shards, for torch.distributed.checkpoint), schedule and counters."""
         self.onload()  # an offloaded optimizer state has no device storage to read
-        return {"optimizer": get_optimizer_state_dict(self.policy, self.optimizer),
+        return {"optimizer": get_optimizer_state_dict(self.root, self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.onload()
-        set_optimizer_state_dict(self.policy, self.optimizer, state["optimizer"])
+        set_optimizer_state_dict(self.root, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]

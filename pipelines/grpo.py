@@ -1,4 +1,5 @@
-"""GRPO (and its group-baseline relatives) from prompts to gradients, on Ray, tracked in MLflow.
+"""GRPO (and its group-baseline relatives), and PPO with a critic, from prompts to gradients, on Ray,
+tracked in MLflow.
 
 Algorithm: for each prompt sample G responses; score them with rule rewards; the advantage of a
 response is its reward minus the group mean, over the group std (`algorithm.advantage` swaps in
@@ -6,10 +7,17 @@ Dr.GRPO, RLOO, REINFORCE++, or ReMax's greedy-answer baseline); update the polic
 loss (`actor.policy_loss` swaps in GSPO's sequence ratio or CISPO's clipped IS weight; optionally
 with a k3 KL loss to the frozen reference). DAPO is this file plus config: clip-higher,
 token-mean loss, overlong reward shaping, and dynamic sampling, which the driver runs before the
-graph (`dynamic_sample`). No critic, no value function, no reward model in this file.
+graph (`dynamic_sample`). No reward model in this file.
+
+PPO is this file plus a critic (`algorithm.advantage=gae`, conf/ppo.yaml): a value model, trained
+with its own optimizer on the same mini-batches, gives per-token values; the score sits on the last
+response token; GAE(gamma, lambda) turns rewards and values into whitened advantages for the policy
+and returns for the critic. For the first `critic.warmup_steps` steps only the critic learns. It
+drops PPO's value-loss-in-the-policy-loss (separate optimizers) and shared actor/critic weights.
 
 One step, per data-parallel rank (`step_graph`):
-    generate -> score -> [reference logprobs] -> old logprobs -> advantages -> update
+    generate -> score -> [reference logprobs] -> old logprobs -> [values] -> advantages -> [critic update]
+    -> update
 The same graph is either compiled once into a Ray compiled DAG (`trainer.dag=compiled`) or run
 as chained `.remote()` calls (`plain`); both execute the same stage verbs in the same order, so a
 seed gives identical metrics. Validation, dynamic sampling, checkpoints and logging stay in the
@@ -38,6 +46,7 @@ from engine.placement import Pool
 from engine.tracking import Tracker
 from engine.train import balance
 from stages.actor import ActorRollout
+from stages.critic import Critic
 from stages.reference import Reference
 from stages.reward import Reward
 from stages.worker import StageWorker
@@ -46,7 +55,7 @@ GET_TIMEOUT_S = 3600.0  # a step may legitimately run long; ray.get's compiled-g
 
 
 class Stages:
-    """Worker pools and which pool serves each role (actor, reward, reference)."""
+    """Worker pools and which pool serves each role (actor, reward, reference, critic)."""
 
     def __init__(self, cfg: Config, model_path: str) -> None:
         p = cfg.placement
@@ -58,6 +67,9 @@ class Stages:
         }
         if cfg.actor.kl_loss_coef or cfg.algorithm.kl_in_reward:
             roles["reference"] = (Reference, lambda r: dict(cfg=cfg, model_path=model_path, device=device))
+        if cfg.algorithm.advantage == "gae":
+            roles["critic"] = (Critic, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
+                                                      device=device))
         self.pools: dict[str, Pool] = {}
         self.roles: dict[str, str] = {}
         for role, (cls, kwargs) in roles.items():
@@ -92,7 +104,11 @@ def step_graph(stages: Stages, inputs: list[Any], call: Callable, sampled: bool 
         if "reference" in stages.roles:
             batch = at("reference", "logprobs", batch)  # anchor for the KL loss
         batch = at("actor", "logprobs", batch)  # old-policy logprobs for the PPO ratio
-        batch = at("actor", "advantages", batch)  # group-relative advantages
+        if "critic" in stages.roles:
+            batch = at("critic", "values", batch)  # the baseline of every token, for GAE
+        batch = at("actor", "advantages", batch)  # group-relative, or GAE with the critic's values
+        if "critic" in stages.roles:  # before the actor's, so every rank runs their collectives in one order
+            batch = at("critic", "update", batch)  # clipped value regression on the GAE returns
         outputs.append(at("actor", "update", batch))  # PPO-clip epochs over mini-batches
     return outputs
 
@@ -223,9 +239,13 @@ def merge(results: list[dict], seconds: float, workers: int, driver: dict[str, f
     return metrics
 
 
+TRAINED = ("actor", "critic")  # the roles whose state a checkpoint holds, where they exist
+
+
 def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
     tmp = checkpoint.begin(root, step)
-    ray.get([stages.worker("actor", r).run.remote("actor", "save", str(tmp)) for r in range(stages.workers)])
+    ray.get([stages.worker(role, r).run.remote(role, "save", str(tmp))
+             for role in TRAINED if role in stages.roles for r in range(stages.workers)])
     return checkpoint.commit(root, tmp, step, {"step": step, "loader": loader.state_dict(), "run_id": run_id},
                              keep)
 
@@ -242,8 +262,8 @@ class Workers:
         self.start = 0
         loader.load_state_dict({"epoch": 0, "position": 0, "seed": cfg.trainer.seed})
         if ckpt:
-            ray.get([self.stages.worker("actor", r).run.remote("actor", "load", str(ckpt))
-                     for r in range(self.stages.workers)])
+            ray.get([self.stages.worker(role, r).run.remote(role, "load", str(ckpt))
+                     for role in TRAINED if role in self.stages.roles for r in range(self.stages.workers)])
             state = checkpoint.read_driver_state(ckpt)
             loader.load_state_dict(state["loader"])
             self.start = state["step"]

@@ -11,7 +11,9 @@ Invariants:
 - a mini-batch holds whole prompt groups; losses divide by all-rank token/sequence counts so the
   update does not depend on how rows are split into micro-batches or ranks;
 - `old_logprobs` are recomputed by the trainer; the rollout's own logprobs only feed the
-  train/infer mismatch metrics.
+  train/infer mismatch metrics;
+- with a critic (`algorithm.advantage=gae`) the policy does not move during the first
+  `critic.warmup_steps` RL steps: `update` reports the step without an optimizer step.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ class ActorRollout:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         a = cfg.actor
+        rl_steps = cfg.trainer.total_steps - cfg.critic.warmup_steps  # the policy waits while the critic warms up
         self.engine = TrainEngine(model_path, a.lr, a.weight_decay, a.grad_clip, a.warmup_steps,
-                                  cfg.trainer.total_steps * a.ppo_epochs * (cfg.data.prompts_per_step //
-                                                                            a.mini_batch_prompts),
+                                  rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device)
         r = cfg.rollout
         self.rollout = build_rollout(r.backend, self.tokenizer, model_path, r.dtype, device,
@@ -94,7 +96,7 @@ class ActorRollout:
             finish_reason=[c.finish_reason for c in completions],
             prompt_text=expand([p.text for p in request.prompts]),
             responses=self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True),
-            baseline_responses=expand(baseline),
+            baseline_responses=expand(baseline), step=request.step,
         )
         batch.timing["gen"] = time.perf_counter() - start
         peak_memory("gen", batch.metrics)
@@ -128,7 +130,7 @@ class ActorRollout:
             return batch
         ids, mask, pos = batch.sequences()
         batch.old_logprobs, _ = response_logprobs(
-            self.engine.policy, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
+            self.engine.root, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
             self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
         diff = (batch.old_logprobs.exp() - batch.rollout_logprobs.exp()).abs()
         valid = batch.response_mask.bool()
@@ -153,16 +155,33 @@ class ActorRollout:
             token_rewards = algos.kl_in_reward(algos.on_last_token(scores, mask), kl, mask, self.kl_ctl.value)
             batch.metrics["actor/reward_kl_penalty"] = float(algos.masked_mean(kl, mask))
             batch.metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctl.value
-        baseline = batch.baseline_scores if alg.advantage == "remax" else None
-        batch.advantages = algos.compute_advantages(
-            alg.advantage, scores, mask, batch.group_size, alg.gamma, token_rewards, baseline)
+        if alg.advantage == "gae":  # PPO: per-token advantages from the critic's values; returns are its targets
+            rewards = algos.on_last_token(scores, mask) if token_rewards is None else token_rewards
+            advantages, batch.returns = algos.gae(rewards, batch.values, mask, alg.gamma, alg.lam)
+            batch.advantages = algos.masked_whiten(advantages, mask)
+        else:
+            baseline = batch.baseline_scores if alg.advantage == "remax" else None
+            batch.advantages = algos.compute_advantages(
+                alg.advantage, scores, mask, batch.group_size, alg.gamma, token_rewards, baseline)
         batch.timing["adv"] = time.perf_counter() - start
         return batch
 
     def update(self, batch: Batch) -> dict:
-        """PPO-clip epochs over mini-batches; returns the step's metrics, timings and samples."""
+        """PPO-clip epochs over mini-batches; returns the step's metrics, timings and samples.
+
+        While the critic warms up there is no update, and no actor/ loss metrics for the step."""
         start = time.perf_counter()
         self._to_training()
+        warming = batch.step < self.cfg.critic.warmup_steps
+        metrics = {} if warming else self._ppo_epochs(batch)
+        batch.timing["update_actor"] = time.perf_counter() - start
+        peak_memory("update_actor", metrics)
+        metrics["actor/skipped_steps"] = self.engine.skipped_steps
+        metrics["actor/consecutive_skipped_steps"] = self.engine.consecutive_skips
+        return {"metrics": {**batch_metrics(batch), **metrics}, "timing": batch.timing,
+                "samples": samples(batch, 4)}
+
+    def _ppo_epochs(self, batch: Batch) -> dict[str, float]:
         a = self.cfg.actor
         rows = a.mini_batch_prompts // self.world * batch.group_size
         stats: dict[str, list[float]] = {}
@@ -176,13 +195,7 @@ class ActorRollout:
         if self.cfg.algorithm.kl_in_reward:
             self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
         self.sync_rollout()
-        batch.timing["update_actor"] = time.perf_counter() - start
-        metrics = {k: float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in stats.items()}
-        peak_memory("update_actor", metrics)
-        metrics["actor/skipped_steps"] = self.engine.skipped_steps
-        metrics["actor/consecutive_skipped_steps"] = self.engine.consecutive_skips
-        return {"metrics": {**batch_metrics(batch), **metrics}, "timing": batch.timing,
-                "samples": samples(batch, 4)}
+        return {k: float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in stats.items()}
 
     def _micro_losses(self, mini: Batch, stats: dict[str, list[float]]) -> list:
         a, mask = self.cfg.actor, mini.response_mask
@@ -195,7 +208,7 @@ class ActorRollout:
     def _loss(self, mini: Batch, r: torch.Tensor, ids, attn, pos, denom: float, stats) -> torch.Tensor:
         """One micro-batch's loss, computed on the model's device."""
         a = self.cfg.actor
-        logp, entropy = forward_logprobs(self.engine.policy, ids[r], attn[r], pos[r], mini.response_ids[r],
+        logp, entropy = forward_logprobs(self.engine.root, ids[r], attn[r], pos[r], mini.response_ids[r],
                                          self.cfg.rollout.temperature, a.pack_sequences)
         on = lambda x: x[r].to(logp.device)  # noqa: E731
         mask = on(mini.response_mask)
@@ -233,7 +246,7 @@ class ActorRollout:
         a = self.cfg.actor
 
         def loss(r: torch.Tensor) -> torch.Tensor:
-            logp, _ = forward_logprobs(self.engine.policy, ids[r], attn[r], pos[r], batch.response_ids[r],
+            logp, _ = forward_logprobs(self.engine.root, ids[r], attn[r], pos[r], batch.response_ids[r],
                                        1.0, a.pack_sequences, entropy=False)
             return -(logp * batch.response_mask[r].to(logp.device)).sum() / denom
 

@@ -17,6 +17,7 @@ from engine.algos import (
     dpo_loss,
     dynamic_sampling_rows,
     entropy_from_logits,
+    explained_variance,
     gae,
     group_advantages,
     kl_in_reward,
@@ -404,6 +405,18 @@ def test_value_loss_takes_the_larger_of_clipped_and_plain() -> None:
     loss.backward()
     assert values.grad is not None
     close(values.grad, [[0.0, 2 / 3, -1.0]])  # clipped t0 has no gradient; else (V - R) / 3
+
+
+def test_explained_variance_over_valid_tokens() -> None:
+    returns = torch.tensor([[1.0, 3.0, 99.0], [2.0, 0.0, 0.0]])  # the masked 99 must not count
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # valid returns 1, 3, 2: mean 2, Var = (1 + 1 + 0) / 3 = 2/3
+    close(explained_variance(torch.tensor([[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]]), returns, mask), 1.0)  # exact
+    close(explained_variance(torch.full((2, 3), 2.0), returns, mask), 0.0)  # the mean return
+    # residuals 1, 2, 0: mean 1, Var = (0 + 1 + 1) / 3 = 2/3 -> 1 - 1 = 0 although no value is the mean
+    close(explained_variance(torch.tensor([[0.0, 1.0, 5.0], [2.0, 0.0, 0.0]]), returns, mask), 0.0)
+    # residuals -1, 3, -2: mean 0, Var = (1 + 9 + 4) / 3 = 14/3 -> 1 - 7 = -6
+    close(explained_variance(torch.tensor([[2.0, 0.0, 0.0], [4.0, 0.0, 0.0]]), returns, mask), -6.0)
 
 
 def test_dpo_loss_and_reward_stats() -> None:

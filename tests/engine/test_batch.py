@@ -34,3 +34,15 @@ def test_cat_repads_and_keeps_row_order() -> None:
     # every response still sits right after its prompt, so positions and logits line up as before
     _, mask, pos = both.sequences()
     assert pos[0].tolist() == [0, 0, 1, 2, 2, 2] and mask[0].tolist() == [0, 1, 1, 1, 0, 0]
+
+
+def test_rows_and_cat_carry_values_returns_and_step() -> None:
+    one, two = _batch([[5]], [[7]], [1.0]), _batch([[8], [3]], [[1, 2], [2]], [0.0, 0.5])
+    for b, step in ((one, 4), (two, 4)):
+        b.values, b.returns, b.step = b.response_mask * 0.5, b.response_mask * 2.0, step
+    both = Batch.cat([one, two])
+    assert both.step == 4
+    assert both.values.tolist() == [[0.5, 0.0], [0.5, 0.5], [0.5, 0.0]]  # right-padded with 0, like responses
+    assert both.returns.tolist() == [[2.0, 0.0], [2.0, 2.0], [2.0, 0.0]]
+    last = both.rows(torch.tensor([2]))
+    assert last.values.tolist() == [[0.5, 0.0]] and last.returns.tolist() == [[2.0, 0.0]] and last.step == 4

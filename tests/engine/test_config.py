@@ -53,10 +53,23 @@ def test_unknown_key_in_yaml(tmp_path):
      "samples_per_prompt must be >= 2"),
     (["algorithm.advantage=remax", "reward.overlong_buffer=2"], "greedy baseline"),
     ("trainer.val_samples=-1", "must be >= 0"),
+    ("algorithm.advantage=gae", "name ppo goes with advantage gae"),
+    ("algorithm.name=ppo", "name ppo goes with advantage gae"),
+    ("critic.warmup_steps=3", "needs algorithm.advantage=gae"),
+    ("placement.own_pool=[critic]", "only algorithm.advantage=gae runs one"),
+    (["algorithm.name=ppo", "algorithm.advantage=gae", "critic.warmup_steps=100"], "or the actor never trains"),
+    (["algorithm.name=ppo", "algorithm.advantage=gae", "algorithm.lam=1.5"], "must be in \\[0, 1\\]"),
+    (["algorithm.name=ppo", "algorithm.advantage=gae", "critic.cliprange_value=0"], "must be > 0"),
 ])
 def test_invalid_values_fail_before_work(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override if isinstance(override, list) else [override])
+
+
+def test_ppo_needs_no_group_and_may_split_off_its_critic():
+    cfg = load_config(None, ["algorithm.name=ppo", "algorithm.advantage=gae", "rollout.samples_per_prompt=1",
+                             "placement.own_pool=[critic]", "algorithm.kl_in_reward=true"])
+    assert cfg.rollout.samples_per_prompt == 1 and cfg.placement.own_pool == ["critic"]
 
 
 def test_drgrpo_with_one_sample_is_still_a_group_error():

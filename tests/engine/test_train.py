@@ -55,7 +55,7 @@ def test_packed_forward_matches_padded_values_and_gradients(model_dir):
     grads, values = [], []
     for pack in (True, False):
         engine.model.zero_grad()
-        logp, ent = forward_logprobs(engine.policy, ids, mask, pos, responses, 0.7, pack, chunk=5)
+        logp, ent = forward_logprobs(engine.root, ids, mask, pos, responses, 0.7, pack, chunk=5)
         loss = (logp.sum() + 0.1 * ent.sum()) / mask.sum()
         loss.backward()
         values.append((logp, ent))
@@ -66,7 +66,7 @@ def test_packed_forward_matches_padded_values_and_gradients(model_dir):
     for (name, _), a, b in zip(engine.model.named_parameters(), *grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=name)
     # a padded row leaks into its neighbours if the packed attention ignored sequence boundaries
-    alone, _ = forward_logprobs(engine.policy, ids[1:2], mask[1:2], pos[1:2], responses[1:2], 0.7, True)
+    alone, _ = forward_logprobs(engine.root, ids[1:2], mask[1:2], pos[1:2], responses[1:2], 0.7, True)
     torch.testing.assert_close(alone[0], values[0][0][1].detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -99,7 +99,7 @@ def sft_losses(engine, ids, per_micro, denom=None):
     def loss(rows):
         x = ids[rows]
         ones = torch.ones_like(x)
-        logp, _ = forward_logprobs(engine.policy, x, ones, ones.cumsum(1) - 1, x[:, 1:], 1.0, False, entropy=False)
+        logp, _ = forward_logprobs(engine.root, x, ones, ones.cumsum(1) - 1, x[:, 1:], 1.0, False, entropy=False)
         return -logp.sum() / denom
 
     return lambda: [lambda r=slice(i, i + per_micro): loss(r) for i in range(0, len(ids), per_micro)]
@@ -123,7 +123,7 @@ def test_non_finite_loss_skips_the_step(model_dir):
     before = [p.detach().clone() for p in engine.model.parameters()]
     ids = torch.randint(3, 90, (2, 6))
     ones = torch.ones_like(ids)
-    nan = lambda: [lambda: forward_logprobs(engine.policy, ids, ones, ones.cumsum(1) - 1, ids[:, 1:], 1.0,  # noqa: E731
+    nan = lambda: [lambda: forward_logprobs(engine.root, ids, ones, ones.cumsum(1) - 1, ids[:, 1:], 1.0,  # noqa: E731
                                             False)[0].sum() * float("nan")]
     out = engine.step(nan)
     assert out["skipped_steps"] == 1 and out["consecutive_skips"] == 1
@@ -150,7 +150,7 @@ def _dp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dt
         losses.append(all_reduce_sum(result["loss"]))
         norms.append(result["grad_norm"])
         if step == 0:
-            grads = [p.grad.full_tensor().float().cpu() for p in engine.policy.parameters()]
+            grads = [p.grad.full_tensor().float().cpu() for p in engine.root.parameters()]
     if rank == 0:
         torch.save({"losses": losses, "norms": norms, "grads": grads}, out)
     dist.destroy_process_group()

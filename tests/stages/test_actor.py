@@ -133,7 +133,7 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
     # recomputed old logprobs (what a second epoch or mini-batch would use) give the same update
     actor.engine.model.load_state_dict(start)
     recomputed = batch.rows(slice(None))
-    recomputed.old_logprobs, _ = response_logprobs(actor.engine.policy, *recomputed.sequences(), recomputed.response_ids,
+    recomputed.old_logprobs, _ = response_logprobs(actor.engine.root, *recomputed.sequences(), recomputed.response_ids,
                                                    cfg.rollout.temperature, 1024)
     m = actor.update(recomputed)["metrics"]
     results.append((m["actor/pg_loss"], results[0][1], [p.grad.clone() for p in actor.engine.model.parameters()]))

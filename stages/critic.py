@@ -1,0 +1,150 @@
+"""The critic stage: PPO's value model, the policy's backbone with a one-output head, fitted to GAE returns.
+
+Verbs: `values(batch) -> batch` fills `values` [N, R]; `update(batch) -> batch` regresses them on
+`returns` with the clipped value loss and adds the `critic/*` metrics and the `update_critic`
+timing to the batch, which the actor's update then reports; `save(dir)`, `load(dir)`.
+
+The model is transformers' token-classification class with one label, loaded from the policy's HF
+directory: the backbone's weights come from the policy, the head starts fresh. It trains through
+the same TrainEngine as the actor, with its own optimizer and `critic.lr`; batch sizes, epochs,
+token budgets, grad clip, weight decay and lr schedule are the actor's.
+
+Invariants:
+- `values[:, t]` is read at the position that predicts response token t (the state before it),
+  the alignment of the actor's logprobs, and is 0 on padding;
+- the head is initialised from `trainer.seed`, so data-parallel replicas start equal; it reads the
+  final hidden state without dropout, so values are deterministic and equal the model's eval-mode output;
+- losses divide by all-rank token counts: micro-batching and ranks do not change the update;
+- rank 0 writes `critic.safetensors`, every rank its optimizer shards into `critic_trainer/`,
+  next to the actor's checkpoint files; like the actor's, FSDP2 shards the critic over the ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModelForTokenClassification
+
+from engine import algos
+from engine.batch import Batch
+from engine.config import Config
+from engine.train import TrainEngine, all_reduce_sum, in_step, micro_batches, response_hidden
+
+
+class ValueModel(nn.Module):
+    """The token-classification model behind one forward returning the values [M] at the M valid
+    response positions: the critic's FSDP2 root (see engine.train.TrainEngine)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                pack: bool) -> torch.Tensor:
+        hidden = response_hidden(self.model, ids, mask, positions, valid, pack)  # [M, H]
+        # `score`: the head of Qwen2/Llama-family classes; a fresh tensor, as FSDP2 wants of its outputs
+        return self.model.score(hidden).squeeze(-1).float().clone()
+
+    def idle(self) -> torch.Tensor:
+        """A one-token forward with loss 0, for a rank with fewer micro-batches than the others."""
+        device = next(self.parameters()).device
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        return self(ids, torch.ones_like(ids), torch.arange(2, device=device)[None],
+                    torch.ones(1, 1, dtype=torch.bool, device=device), False).sum() * 0.0
+
+
+def forward_values(root: ValueModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, width: int,
+                   pack: bool) -> torch.Tensor:
+    """Values [n, R] (R = `width`) in float32 on the model's device, 0 where the response is padding.
+    ids/mask/positions: [n, P+R]."""
+    device = next(root.parameters()).device
+    ids, mask, positions = (x.to(device) for x in (ids, mask, positions))
+    valid = mask[:, -width:].bool()  # [n, R]
+    return torch.zeros(valid.shape, device=device).masked_scatter(valid, root(ids, mask, positions, valid, pack))
+
+
+class Critic:
+    def __init__(self, cfg: Config, model_path: str, rank: int = 0, world: int = 1, device: str = "cpu") -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        a = cfg.actor
+        steps = cfg.trainer.total_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts)
+        with torch.random.fork_rng(devices=[]):  # the fresh head: the same on every rank and in every run
+            torch.manual_seed(cfg.trainer.seed)
+            self.engine = TrainEngine(model_path, cfg.critic.lr, a.weight_decay, a.grad_clip, a.warmup_steps, steps,
+                                      a.lr_schedule, cfg.model.dtype, device,
+                                      root=ValueModel, model_cls=AutoModelForTokenClassification, num_labels=1)
+
+    def values(self, batch: Batch) -> Batch:
+        """V(prompt + response[:t]) for every response token t, without gradients."""
+        start = time.perf_counter()
+        a = self.cfg.actor
+        ids, mask, pos = batch.sequences()
+        batch.values = torch.zeros(batch.response_ids.shape)  # [N, R]
+        chunks = micro_batches(mask, a.micro_batch_tokens_per_gpu, a.pack_sequences)
+        with torch.no_grad():
+            for rows in chunks:
+                batch.values[rows] = forward_values(self.engine.root, ids[rows], mask[rows], pos[rows],
+                                                    batch.response_ids.shape[1], a.pack_sequences).cpu()
+            for _ in range(in_step(self.engine.root, len(chunks)) - len(chunks)):
+                self.engine.root.idle()
+        batch.timing["values"] = time.perf_counter() - start
+        return batch
+
+    def update(self, batch: Batch) -> Batch:
+        """Clipped value regression on `returns`, ppo_epochs x mini-batches as the actor does."""
+        start = time.perf_counter()
+        a, mask = self.cfg.actor, batch.response_mask
+        rows = a.mini_batch_prompts // self.world * batch.group_size
+        stats: dict[str, list[float]] = {}
+        for _ in range(a.ppo_epochs):
+            for lo in range(0, len(batch), rows):
+                out = self.engine.step(partial(self._micro_losses, batch.rows(slice(lo, lo + rows)), stats))
+                stats.setdefault("critic/grad_norm", []).append(out["grad_norm"])
+                stats.setdefault("critic/lr", []).append(out["lr"])
+                stats.setdefault("critic/vf_loss", []).append(all_reduce_sum(out["loss"]))
+        batch.metrics.update({k: float(np.mean(v)) for k, v in stats.items()})
+        batch.metrics["critic/values/mean"] = float(algos.masked_mean(batch.values, mask))
+        batch.metrics["critic/returns/mean"] = float(algos.masked_mean(batch.returns, mask))
+        batch.metrics["critic/vf_explained_var"] = float(algos.explained_variance(batch.values, batch.returns, mask))
+        batch.timing["update_critic"] = time.perf_counter() - start
+        return batch
+
+    def _micro_losses(self, mini: Batch, stats: dict[str, list[float]]) -> list:
+        a = self.cfg.actor
+        denom = all_reduce_sum(float(mini.response_mask.sum()))
+        ids, attn, pos = mini.sequences()
+        return [partial(self._loss, mini, r, ids, attn, pos, denom, stats)
+                for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)]
+
+    def _loss(self, mini: Batch, r: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
+              denom: float, stats: dict[str, list[float]]) -> torch.Tensor:
+        values = forward_values(self.engine.root, ids[r], attn[r], pos[r], mini.response_mask.shape[1],
+                                self.cfg.actor.pack_sequences)
+        on = lambda x: x[r].to(values.device)  # noqa: E731
+        loss, m = algos.value_loss(values, on(mini.values), on(mini.returns), on(mini.response_mask),
+                                   self.cfg.critic.cliprange_value, "token-mean", denom)
+        stats.setdefault("critic/vf_clipfrac", []).append(float(m["vf_clipfrac"]))
+        return loss
+
+    def save(self, directory: str) -> None:
+        """Every rank: rank 0 writes the full weights, each rank its optimizer shards (torch DCP)."""
+        d = Path(directory)
+        full = self.engine.full_state_dict()  # collective
+        if self.rank == 0:
+            save_file(full, d / "critic.safetensors", metadata={"format": "pt"})
+        dcp.save(self.engine.state_dict(), checkpoint_id=d / "critic_trainer")
+
+    def load(self, directory: str) -> None:
+        d = Path(directory)
+        self.engine.load_full_state_dict(load_file(d / "critic.safetensors"))
+        state = self.engine.state_dict()
+        dcp.load(state, checkpoint_id=d / "critic_trainer")
+        self.engine.load_state_dict(state)
