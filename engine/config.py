@@ -95,6 +95,14 @@ class RewardConfig:
     timeout_s: float = 30.0  # per call; a call that runs longer scores 0 and counts as an error
     overlong_buffer: int = 0  # DAPO: > 0 ramps a penalty over this many tokens before max_new_tokens
     overlong_penalty: float = 1.0  # reward (for advantages) lost at rollout.max_new_tokens
+    model: str = ""  # HF sequence-classification directory (num_labels=1) scoring prompt + response; "" = none
+    model_weight: float = 1.0  # score = rule_weight x rule reward + model_weight x reward-model score
+    rule_weight: float = 1.0  # 0 skips the rule function (a reward model alone)
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1  # `rlflow dpo`: strength of the implicit KL anchor to the reference policy
 
 
 @dataclass
@@ -140,6 +148,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -240,7 +249,7 @@ CHOICES = {
     "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
     "actor.kl_loss_type": {"k1", "k2", "k3", "abs"},
     "actor.policy_loss": {"ppo", "gspo", "cispo"},
-    "algorithm.name": {"grpo"},
+    "algorithm.name": {"grpo", "dpo"},  # dpo: set by `rlflow dpo`
     "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax"},
     "algorithm.kl_penalty": {"k1", "k2", "k3", "abs"},
     "reward.on_error": {"zero", "raise"},
@@ -294,6 +303,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, and needs a ppo/gspo loss; got {a.dual_clip} "
                           f"with actor.policy_loss={a.policy_loss}")
     _validate_dapo(cfg)
+    _validate_scoring(cfg)
     if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage != "reinforce_pp":
         raise ConfigError("algorithm.kl_in_reward needs algorithm.advantage=reinforce_pp (token-level "
                           "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
@@ -301,6 +311,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"placement.own_pool takes reward and/or reference, got {p.own_pool}")
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
         raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
+
+
+def _validate_scoring(cfg: Config) -> None:
+    """DPO's beta and the reward's rule/model mix."""
+    rw = cfg.reward
+    if cfg.dpo.beta <= 0:
+        raise ConfigError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
+    if rw.model_weight < 0 or rw.rule_weight < 0:
+        raise ConfigError(f"reward.model_weight and reward.rule_weight must be >= 0; got {rw.model_weight}, "
+                          f"{rw.rule_weight}")
+    if not (rw.rule_weight or (rw.model and rw.model_weight)):
+        raise ConfigError("reward.rule_weight=0 needs reward.model set and reward.model_weight > 0: "
+                          "nothing would score the responses")
 
 
 def _validate_dapo(cfg: Config) -> None:
