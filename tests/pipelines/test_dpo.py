@@ -20,12 +20,17 @@ TINY = ("data.prompts_per_step=16", "actor.mini_batch_prompts=16", "data.val_max
         "warmstart.steps=20", "warmstart.batch_size=16", "trainer.total_steps=8", "trainer.val_every=4")
 
 
-def test_dpo_run_widens_the_margin_logs_and_exports(tmp_path):
+def rlflow_dpo(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     train = task.build_pairs(tmp_path / "pairs", n_train=16, n_val=1, seed=3)["train"]
     cmd = [str(BIN / "rlflow"), "dpo", str(ROOT / "conf" / "dpo.yaml"), f"trainer.output_dir={tmp_path / 'out'}",
-           f"data.train_files=[{train}]", *TINY]  # held-out: the embedded validation pairs
+           f"data.train_files=[{train}]", *TINY, *overrides]  # held-out: the embedded validation pairs
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_dpo_run_widens_the_margin_logs_and_exports(tmp_path):
+    rlflow_dpo(tmp_path)
     client, run = only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["algorithm"] == "dpo"
     assert run.data.params["dpo.beta"] == "0.1" and run.data.params["algorithm.name"] == "dpo"
@@ -46,3 +51,17 @@ def test_dpo_run_widens_the_margin_logs_and_exports(tmp_path):
     start, end = load_file(out / "warmstart" / "model.safetensors"), load_file(out / "hf_model" / "model.safetensors")
     assert any(not torch.equal(start[k], end[k]) for k in start)
     assert {"config.yaml", "checkpoints", "hf_model"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_dpo_resumes_where_it_stopped_with_the_same_numbers(tmp_path):
+    short = ("trainer.val_every=0", "trainer.total_steps=2")
+    rlflow_dpo(tmp_path / "a", *short)
+    resumed = rlflow_dpo(tmp_path / "a", *short[:1], "trainer.total_steps=3")
+    assert "at step 2" in resumed.stdout and "warm-start: reusing" in resumed.stdout
+    client, run = only_run(tmp_path / "a")  # one MLflow run across both jobs
+    got = {k: dict(v) for k, v in history(client, run.info.run_id).items() if k.startswith("dpo/")}
+    assert sorted(got["dpo/loss"]) == [1, 2, 3]
+    rlflow_dpo(tmp_path / "b", *short[:1], "trainer.total_steps=3")
+    client, run = only_run(tmp_path / "b")
+    want = {k: dict(v) for k, v in history(client, run.info.run_id).items() if k.startswith("dpo/")}
+    assert got == want  # step for step, as a run that never stopped
