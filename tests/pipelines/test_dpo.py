@@ -29,8 +29,15 @@ def rlflow_dpo(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_dpo_run_widens_the_margin_logs_and_exports(tmp_path):
-    rlflow_dpo(tmp_path)
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dpo")
+    rlflow_dpo(tmp)
+    return tmp
+
+
+def test_dpo_run_widens_the_margin_logs_and_exports(dpo_run):
+    tmp_path = dpo_run
     client, run = only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.tags["algorithm"] == "dpo"
     assert run.data.params["dpo.beta"] == "0.1" and run.data.params["algorithm.name"] == "dpo"
@@ -65,3 +72,16 @@ def test_dpo_resumes_where_it_stopped_with_the_same_numbers(tmp_path):
     client, run = only_run(tmp_path / "b")
     want = {k: dict(v) for k, v in history(client, run.info.run_id).items() if k.startswith("dpo/")}
     assert got == want  # step for step, as a run that never stopped
+
+
+def test_two_workers_and_a_reference_pool_match_one_worker(dpo_run, tmp_path):
+    rlflow_dpo(tmp_path, "placement.workers=2", "placement.own_pool=[reference]", "trainer.total_steps=2")
+    client, run = only_run(tmp_path)
+    two = {k: dict(v) for k, v in history(client, run.info.run_id).items() if k.startswith(("dpo/", "val/"))}
+    client, run = only_run(dpo_run)
+    one = {k: dict(v) for k, v in history(client, run.info.run_id).items() if k.startswith(("dpo/", "val/"))}
+    assert sorted(two["dpo/loss"]) == [1, 2] and sorted(two["val/loss"]) == [0, 2]
+    # the same pairs, split over two ranks: the same means and, through the all-reduce, the same updates
+    for key, values in two.items():
+        for step in set(values) & set(one[key]):  # validation ran at 0 and 2 here, at 0, 4 and 8 there
+            assert values[step] == pytest.approx(one[key][step], rel=1e-4, abs=1e-6), (key, step)
