@@ -152,7 +152,9 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
     """The DPO loop; returns the exported HF directory of the final policy."""
     t, out, workers = cfg.trainer, Path(cfg.trainer.output_dir), cfg.placement.workers
-    cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0))  # the reference scores at temperature 1
+    # DPO never generates: the shared-module hf engine costs nothing (no KV cache, no vLLM), and the
+    # reference scores at temperature 1, the models' own distributions
+    cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0, backend="hf"))
     train_pairs, counts, pad_id = load(cfg, model_path, files["train"])
     val_pairs, _, _ = load(cfg, model_path, files["val"])
     val_pairs = val_pairs[:cfg.data.val_max_prompts or None]
