@@ -107,6 +107,14 @@ class RewardConfig:
     timeout_s: float = 30.0  # per call; a call that runs longer scores 0 and counts as an error
     overlong_buffer: int = 0  # DAPO: > 0 ramps a penalty over this many tokens before max_new_tokens
     overlong_penalty: float = 1.0  # reward (for advantages) lost at rollout.max_new_tokens
+    model: str = ""  # HF sequence-classification directory (num_labels=1) scoring prompt + response; "" = none
+    model_weight: float = 1.0  # score = rule_weight x rule reward + model_weight x reward-model score
+    rule_weight: float = 1.0  # 0 skips the rule function (a reward model alone)
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1  # `rlflow dpo`: strength of the implicit KL anchor to the reference policy
 
 
 @dataclass
@@ -153,6 +161,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -253,7 +262,7 @@ CHOICES = {
     "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
     "actor.kl_loss_type": {"k1", "k2", "k3", "abs"},
     "actor.policy_loss": {"ppo", "gspo", "cispo"},
-    "algorithm.name": {"grpo", "ppo"},
+    "algorithm.name": {"grpo", "ppo", "dpo"},  # dpo: set by `rlflow dpo`
     "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"},
     "algorithm.kl_penalty": {"k1", "k2", "k3", "abs"},
     "reward.on_error": {"zero", "raise"},
@@ -308,6 +317,7 @@ def validate(cfg: Config) -> None:
                           f"with actor.policy_loss={a.policy_loss}")
     _validate_dapo(cfg)
     _validate_critic(cfg)
+    _validate_scoring(cfg)
     if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage not in ("reinforce_pp", "gae"):
         raise ConfigError("algorithm.kl_in_reward needs algorithm.advantage=reinforce_pp or gae (token-level "
                           "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
@@ -334,6 +344,19 @@ def _validate_critic(cfg: Config) -> None:
                           f"or the actor never trains; got {c.warmup_steps}")
     if "critic" in cfg.placement.own_pool and not gae:
         raise ConfigError("placement.own_pool lists critic, but only algorithm.advantage=gae runs one")
+
+
+def _validate_scoring(cfg: Config) -> None:
+    """DPO's beta and the reward's rule/model mix."""
+    rw = cfg.reward
+    if cfg.dpo.beta <= 0:
+        raise ConfigError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
+    if rw.model_weight < 0 or rw.rule_weight < 0:
+        raise ConfigError(f"reward.model_weight and reward.rule_weight must be >= 0; got {rw.model_weight}, "
+                          f"{rw.rule_weight}")
+    if not (rw.rule_weight or (rw.model and rw.model_weight)):
+        raise ConfigError("reward.rule_weight=0 needs reward.model set and reward.model_weight > 0: "
+                          "nothing would score the responses")
 
 
 def _validate_dapo(cfg: Config) -> None:

@@ -1,11 +1,12 @@
 """Prompt datasets: verl-shaped rows in, templated token ids out, plus a resumable batch loader.
 
-A row (parquet, jsonl or json) holds ``prompt`` (chat messages ``[{"role", "content"}]``, or a
+A prompt row (parquet, jsonl or json) holds ``prompt`` (chat messages ``[{"role", "content"}]``, or a
 plain string taken as one user message), ``data_source``, ``reward_model.ground_truth`` and an
-optional ``extra_info`` dict.
+optional ``extra_info`` dict. A preference row (``load_pairs``, for DPO) holds ``prompt``,
+``chosen``, ``rejected`` and an optional ``data_source``.
 
 Invariants:
-- a prompt is never truncated: longer than ``max_prompt_tokens`` is skipped and counted
+- a prompt (or a pair's answer) is never truncated: over its token budget is skipped and counted
   (``overlong="skip"``) or an error naming the row (``overlong="error"``);
 - every row is either kept or counted under exactly one skip reason, so
   ``rows == kept + overlong + malformed``;
@@ -21,12 +22,14 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import datasets
 import numpy as np
+import torch
 
 from engine import task
+from engine.batch import Batch
 
 log = logging.getLogger("rlflow.data")
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
@@ -104,54 +107,129 @@ def read_rows(path: str) -> list[dict]:
         raise ValueError(f"could not read {path} as {fmt}: {e!r}") from e
 
 
-def load_prompts(files: list[str], tokenizer: Any, max_prompt_tokens: int,
-                 overlong: str = "skip") -> tuple[list[Prompt], dict[str, int]]:
-    """Every usable row of ``files``, in file then row order, and counts of what was skipped."""
+class _Overlong(Exception):
+    """A row over a token budget; the message says which part and by how much."""
+
+
+def _load(files: list[str], make: Any, overlong: str, what: str) -> tuple[list, dict[str, int]]:
+    """``make(row)`` over every row of ``files``, counting the rows it skips and why."""
     if overlong not in ("skip", "error"):
         raise ValueError(f"overlong must be 'skip' or 'error', got {overlong!r}")
     counts: Counter[str] = Counter(rows=0, kept=0, overlong=0, malformed=0)
-    prompts = []
+    items = []
     for path in map(str, files):
         for index, row in enumerate(read_rows(path)):
             counts["rows"] += 1
             try:
-                messages, data_source, truth, extra_info = _fields(row)
+                items.append(make(row))
             except _Skip as skip:
                 counts.update(["malformed", f"malformed/{skip}"])
-                continue
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template placed specials
-            if len(ids) <= max_prompt_tokens:
-                prompts.append(Prompt(list(ids), data_source, truth, extra_info, text))
-            elif overlong == "skip":
+            except _Overlong as e:
+                if overlong == "error":
+                    raise ValueError(f"{path} row {index}: {e} ({what}s are never truncated)") from None
                 counts["overlong"] += 1
-            else:
-                raise ValueError(f"{path} row {index}: prompt is {len(ids)} tokens, over "
-                                 f"max_prompt_tokens={max_prompt_tokens} (prompts are never truncated)")
-    counts["kept"] = len(prompts)
-    _summarise(files, dict(counts), max_prompt_tokens)
-    return prompts, dict(counts)
+    counts["kept"] = len(items)
+    _summarise(files, dict(counts), what)
+    return items, dict(counts)
 
 
-def _summarise(files: list[str], counts: dict[str, int], max_prompt_tokens: int) -> None:
+def _prompt_ids(tokenizer: Any, messages: list[dict], max_prompt_tokens: int) -> tuple[list[int], str]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template placed specials
+    if len(ids) > max_prompt_tokens:
+        raise _Overlong(f"prompt is {len(ids)} tokens, over max_prompt_tokens={max_prompt_tokens}")
+    return list(ids), text
+
+
+def load_prompts(files: list[str], tokenizer: Any, max_prompt_tokens: int,
+                 overlong: str = "skip") -> tuple[list[Prompt], dict[str, int]]:
+    """Every usable row of ``files``, in file then row order, and counts of what was skipped."""
+    def make(row: dict) -> Prompt:
+        messages, data_source, truth, extra_info = _fields(row)
+        ids, text = _prompt_ids(tokenizer, messages, max_prompt_tokens)
+        return Prompt(ids, data_source, truth, extra_info, text)
+
+    return _load(files, make, overlong, "prompt")
+
+
+@dataclass
+class Pair:
+    """One preference pair, ready for DPO: a prompt and two answers, the first preferred."""
+
+    prompt: list[int]  # [P] templated prompt tokens, P <= max_prompt_tokens
+    chosen: list[int]  # [C] response tokens ending in eos, C <= max_response_tokens
+    rejected: list[int]  # [J] likewise
+    data_source: str
+    text: str  # the templated prompt
+
+
+def load_pairs(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_response_tokens: int,
+               overlong: str = "skip") -> tuple[list[Pair], dict[str, int]]:
+    """Rows with ``prompt`` (chat messages or a string), ``chosen`` and ``rejected`` (strings) and an
+    optional ``data_source``, as Pairs; skips are counted like ``load_prompts``'s, and a pair whose
+    answers are the same text is malformed (``same_answer``)."""
+    def answer(row: dict, key: str) -> list[int]:
+        text = _text(row.get(key), key)
+        if not text.strip():
+            raise _Skip(f"empty_{key}")
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        if len(ids) > max_response_tokens:
+            raise _Overlong(f"{key} is {len(ids)} tokens with eos, over max_response_tokens={max_response_tokens}")
+        return ids
+
+    def make(row: dict) -> Pair:
+        messages = _messages(row.get("prompt"))
+        source = row.get("data_source")
+        source = "preference" if source is None else _text(source, "data_source")
+        if _text(row.get("chosen"), "chosen").strip() == _text(row.get("rejected"), "rejected").strip():
+            raise _Skip("same_answer")
+        chosen, rejected = answer(row, "chosen"), answer(row, "rejected")
+        ids, text = _prompt_ids(tokenizer, messages, max_prompt_tokens)
+        return Pair(ids, chosen, rejected, source, text)
+
+    return _load(files, make, overlong, "pair")
+
+
+def pairs_batch(pairs: list[Pair], pad_id: int) -> Batch:
+    """2B rows, each pair's chosen answer right before its rejected one (group_size 2): prompts
+    left-padded, responses right-padded, as the stages' Batch expects."""
+    prompts = [p.prompt for p in pairs for _ in range(2)]
+    answers = [r for p in pairs for r in (p.chosen, p.rejected)]
+    width = max(len(r) for r in answers)
+    pids = torch.full((len(prompts), max(len(p) for p in prompts)), pad_id, dtype=torch.long)  # [2B, P]
+    pmask = torch.zeros(pids.shape, dtype=torch.long)
+    rids = torch.full((len(answers), width), pad_id, dtype=torch.long)  # [2B, R]
+    rmask = torch.zeros(rids.shape, dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, answers)):
+        pids[i, pids.shape[1] - len(p):], pmask[i, pids.shape[1] - len(p):] = torch.tensor(p), 1
+        rids[i, :len(r)], rmask[i, :len(r)] = torch.tensor(r), 1.0
+    sources = [p.data_source for p in pairs for _ in range(2)]
+    return Batch(pids, pmask, 2, sources, [""] * len(sources), [None] * len(sources), response_ids=rids,
+                 response_mask=rmask, prompt_text=[p.text for p in pairs for _ in range(2)])
+
+
+def _summarise(files: list[str], counts: dict[str, int], what: str) -> None:
     skipped = counts["rows"] - counts["kept"]
     detail = ", ".join(f"{k}={v}" for k, v in counts.items() if k not in ("rows", "kept") and v)
     if not counts["kept"]:
-        raise ValueError(f"no usable prompts in {files}: {counts} (overlong means > "
-                         f"max_prompt_tokens={max_prompt_tokens}; malformed/<reason> names the bad field)")
+        raise ValueError(f"no usable {what}s in {files}: {counts} (overlong means over a token budget; "
+                         "malformed/<reason> names the bad field)")
     if skipped:
-        log.warning("skipped %d of %d prompt rows in %s: %s", skipped, counts["rows"], files, detail)
+        log.warning("skipped %d of %d %s rows in %s: %s", skipped, counts["rows"], what, files, detail)
 
 
-class PromptLoader:
-    """Endless batches of prompts, reshuffled each epoch, resumable from ``state_dict``.
+T = TypeVar("T")
+
+
+class PromptLoader(Generic[T]):
+    """Endless batches of prompts (or pairs), reshuffled each epoch, resumable from ``state_dict``.
 
     Each epoch is the permutation ``default_rng([seed, epoch])``; a batch takes the next
     ``batch_size`` positions. When fewer than ``batch_size`` remain, they are dropped and the
     batch starts the next epoch, so every batch is full and no batch spans two epochs.
     """
 
-    def __init__(self, prompts: list[Prompt], batch_size: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, prompts: list[T], batch_size: int, seed: int, shuffle: bool = True) -> None:
         if not 0 < batch_size <= len(prompts):
             raise ValueError(f"batch_size={batch_size} must be in 1..{len(prompts)} (the number of prompts)")
         self.prompts, self.batch_size, self.seed, self.shuffle = prompts, batch_size, seed, shuffle
@@ -163,7 +241,7 @@ class PromptLoader:
             return np.arange(len(self.prompts))
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.prompts))
 
-    def next_batch(self) -> list[Prompt]:
+    def next_batch(self) -> list[T]:
         if self.position + self.batch_size > len(self.prompts):
             self.epoch, self.position = self.epoch + 1, 0
         picked = self._order(self.epoch)[self.position:self.position + self.batch_size]
@@ -190,3 +268,12 @@ def embedded_files(root: str | Path, seed: int) -> dict[str, str]:
     if all(Path(p).is_file() for p in paths.values()):
         return paths
     return task.build_data(out, seed=seed)
+
+
+def embedded_pair_files(root: str | Path, seed: int) -> dict[str, str]:
+    """The embedded task's preference pairs, {"train", "val"} under ``root/pairs``, built if missing."""
+    out = Path(root) / "pairs"
+    paths = {split: str(out / f"{split}.parquet") for split in ("train", "val")}
+    if all(Path(p).is_file() for p in paths.values()):
+        return paths
+    return task.build_pairs(out, seed=seed)

@@ -7,6 +7,8 @@ The pipeline then loads them by path, exactly as it would a user's model and dat
 
 Invariants:
 - train and validation problems are disjoint (held-out accuracy is really held out);
+- preference pairs (`build_pairs`) cover the same problems in the same order as the prompts, the
+  chosen answer being the ground truth and the rejected one a near miss, never equal to it;
 - the same seed gives the same files, byte for byte in content;
 - the tokenizer is character-level over printable ASCII, so any prompt round-trips exactly.
 
@@ -85,25 +87,54 @@ def _row(a: int, b: int, index: int, split: str) -> dict:
     }
 
 
-def build_data(out_dir: str | Path, digits: int = 2, n_train: int = 4096, n_val: int = 256,
-               seed: int = 0) -> dict[str, str]:
-    """Write train/val parquet files of `digits`-digit addition; returns {split: path}."""
-    import pandas as pd
-
+def _problems(digits: int, n_train: int, n_val: int, seed: int) -> dict[str, list[tuple[int, int]]]:
+    """Disjoint {"val", "train"} lists of (a, b) problems, in a seeded order."""
     top = 10**digits
     pairs = [(a, b) for a in range(top) for b in range(top)]
     random.Random(seed).shuffle(pairs)
     if n_train + n_val > len(pairs):
         raise ValueError(f"only {len(pairs)} distinct {digits}-digit problems exist")
-    splits = {"val": pairs[:n_val], "train": pairs[n_val:n_val + n_train]}
+    return {"val": pairs[:n_val], "train": pairs[n_val:n_val + n_train]}
+
+
+def _write(out_dir: str | Path, rows: dict[str, list[dict]]) -> dict[str, str]:
+    import pandas as pd
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for split, items in splits.items():
-        rows = [_row(a, b, i, split) for i, (a, b) in enumerate(items)]
-        paths[split] = str(out / f"{split}.parquet")
-        pd.DataFrame(rows).to_parquet(paths[split])
+    paths = {split: str(out / f"{split}.parquet") for split in rows}
+    for split, items in rows.items():
+        pd.DataFrame(items).to_parquet(paths[split])
     return paths
+
+
+def build_data(out_dir: str | Path, digits: int = 2, n_train: int = 4096, n_val: int = 256,
+               seed: int = 0) -> dict[str, str]:
+    """Write train/val parquet files of `digits`-digit addition; returns {split: path}."""
+    splits = _problems(digits, n_train, n_val, seed)
+    return _write(out_dir, {split: [_row(a, b, i, split) for i, (a, b) in enumerate(items)]
+                            for split, items in splits.items()})
+
+
+def wrong_answer(answer: int, rng: random.Random) -> str:
+    """A near miss of `answer`: off by one, or one digit changed (never a new leading zero)."""
+    text = str(answer)
+    if rng.random() < 0.5:
+        return str(answer + 1 if answer == 0 or rng.random() < 0.5 else answer - 1)
+    i = rng.randrange(len(text))
+    digits = [d for d in "0123456789" if d != text[i] and not (d == "0" and i == 0 and len(text) > 1)]
+    return text[:i] + rng.choice(digits) + text[i + 1:]
+
+
+def build_pairs(out_dir: str | Path, digits: int = 2, n_train: int = 4096, n_val: int = 256,
+                seed: int = 0) -> dict[str, str]:
+    """Write train/val preference pairs over the problems `build_data` writes, in the same order:
+    `prompt`, `chosen` (the sum), `rejected` (a `wrong_answer`), `data_source`. Returns {split: path}."""
+    rng = random.Random(seed)
+    rows = {split: [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                     "chosen": str(a + b), "rejected": wrong_answer(a + b, rng)} for a, b in items]
+            for split, items in _problems(digits, n_train, n_val, seed).items()}
+    return _write(out_dir, rows)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:

@@ -1,6 +1,7 @@
 """The `rlflow` command line.
 
     rlflow train [CONFIG.yaml] [key=value ...]   run a config (no arguments: the embedded default)
+    rlflow dpo [CONFIG.yaml] [key=value ...]     DPO on preference pairs (train with algorithm.name=dpo)
     rlflow config [CONFIG.yaml] [key=value ...]  print the resolved config as YAML
     rlflow export CHECKPOINT|OUTPUT_DIR DEST      write a checkpoint's policy as a HF directory
     rlflow data {gsm8k,math} SRC DST              convert GSM8K/MATH-style rows to rlflow rows
@@ -39,18 +40,21 @@ def split_args(args: list[str]) -> list[str]:
     return out
 
 
-def parse(args: list[str]) -> Config:
+def parse(args: list[str], first: tuple[str, ...] = ()) -> Config:
+    """Config from `[CONFIG.yaml] key=value ...`; `first` overrides apply before the user's."""
     args = split_args(args)
     path = args[0] if args and "=" not in args[0] else None
-    return load_config(path, args[1:] if path else args)
+    return load_config(path, [*first, *(args[1:] if path else args)])
 
 
 def resolve_files(cfg: Config) -> dict[str, list[str]]:
-    """{"train": [...], "val": [...]} data files, building the embedded ones on first use."""
-    from engine.data import embedded_files
+    """{"train": [...], "val": [...]} data files, building the embedded ones on first use
+    (preference pairs for DPO, prompts otherwise)."""
+    from engine.data import embedded_files, embedded_pair_files
 
     root = Path(cfg.trainer.output_dir) / "embedded"
-    built = embedded_files(root, cfg.trainer.seed) if EMBEDDED in cfg.data.train_files + cfg.data.val_files else {}
+    build = embedded_pair_files if cfg.algorithm.name == "dpo" else embedded_files
+    built = build(root, cfg.trainer.seed) if EMBEDDED in cfg.data.train_files + cfg.data.val_files else {}
     return {split: [built[split] if f == EMBEDDED else f for f in getattr(cfg.data, f"{split}_files")]
             for split in ("train", "val")}
 
@@ -101,7 +105,7 @@ def git_commit() -> str:
 
 
 def train(cfg: Config) -> dict[str, str]:
-    from pipelines import grpo
+    from pipelines import dpo, grpo
     from pipelines.sft import warm_start
 
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
@@ -118,9 +122,13 @@ def train(cfg: Config) -> dict[str, str]:
         tracker.log_dict(to_dict(cfg), "config.yaml")
         tracker.log_datasets(files)
         init_ray(cfg)
-        if cfg.warmstart.steps:
-            model_path = warm_start(cfg, model_path, files["train"], tracker)
-        export = grpo.train(cfg, model_path, files, tracker)
+        if cfg.algorithm.name == "dpo":  # preference pairs; its warm start learns their chosen answers
+            model_path = dpo.warm_start(cfg, model_path, files["train"], tracker) if cfg.warmstart.steps else model_path
+            export = dpo.train(cfg, model_path, files, tracker)
+        else:
+            if cfg.warmstart.steps:
+                model_path = warm_start(cfg, model_path, files["train"], tracker)
+            export = grpo.train(cfg, model_path, files, tracker)
         if cfg.trainer.register_model:
             version = tracker.register_model(str(export), cfg.trainer.register_model)
             print(f"rlflow: registered {export} as model '{cfg.trainer.register_model}' version {version}")
@@ -208,7 +216,8 @@ def dataset_hash(files: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "run a config"), ("config", "print the resolved config")):
+    for name, text in (("train", "run a config"), ("dpo", "DPO on preference pairs"),
+                       ("config", "print the resolved config")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
     exp = sub.add_parser("export", help="write a checkpoint's policy as a HF directory")
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        cfg = parse(ns.args)
+        cfg = parse(ns.args, ("algorithm.name=dpo",) if ns.command == "dpo" else ())
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2

@@ -63,7 +63,7 @@ class Stages:
         roles: dict[str, tuple[type, Callable[[int], dict]]] = {
             "actor": (ActorRollout, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
                                                   device=device)),
-            "reward": (Reward, lambda r: dict(cfg=cfg)),
+            "reward": (Reward, lambda r: dict(cfg=cfg, device=device)),
         }
         if cfg.actor.kl_loss_coef or cfg.algorithm.kl_in_reward:
             roles["reference"] = (Reference, lambda r: dict(cfg=cfg, model_path=model_path, device=device))
@@ -74,8 +74,8 @@ class Stages:
         self.roles: dict[str, str] = {}
         for role, (cls, kwargs) in roles.items():
             where = role if role in p.own_pool else "hybrid"
-            if where not in self.pools:  # rule rewards need no GPU
-                gpus = 0.0 if where == "reward" else p.gpus_per_worker
+            if where not in self.pools:  # rule rewards need no GPU; a reward model does
+                gpus = 0.0 if where == "reward" and not cfg.reward.model else p.gpus_per_worker
                 self.pools[where] = Pool(where, StageWorker, p.workers, gpus, p.torch_threads)
             self.pools[where].add(role, cls, kwargs)
             self.roles[role] = where

@@ -1,7 +1,8 @@
 """Supervised fine-tuning on prompt -> answer pairs; the embedded default's warm-start.
 
-The target response of a row is its `reward_model.ground_truth` followed by EOS, which suits
-tasks whose ground truth is the whole answer (the embedded arithmetic task). The loss is
+The target response of a prompt row is its `reward_model.ground_truth` followed by EOS, which suits
+tasks whose ground truth is the whole answer (the embedded arithmetic task); DPO warm-starts on
+its pairs' chosen answers instead (`supervised`). The loss is
 next-token cross-entropy on response tokens only, through the same actor stage and training
 engine the RL pipeline uses. The result is an ordinary HF directory that RL starts from.
 
@@ -31,15 +32,22 @@ from stages.worker import StageWorker
 
 
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
-    """Train `warmstart.steps` supervised steps from `model_path`; returns the new HF directory."""
+    """Train `warmstart.steps` supervised steps from `model_path` on the prompt rows' ground-truth
+    answers; returns the new HF directory."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts, _ = load_prompts(train_files, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
+    examples = [(p.ids, tokenizer.encode(p.ground_truth, add_special_tokens=False) + [tokenizer.eos_token_id])
+                for p in prompts]
+    return supervised(cfg, model_path, examples, tracker)
+
+
+def supervised(cfg: Config, model_path: str, examples: list[tuple[list[int], list[int]]], tracker: Tracker) -> str:
+    """`warmstart.steps` supervised steps on (prompt ids, response ids) examples; returns the HF
+    directory `<output_dir>/warmstart`, reused when it is already there."""
     w, target = cfg.warmstart, Path(cfg.trainer.output_dir) / "warmstart"
     if (target / "config.json").is_file():
         print(f"warm-start: reusing {target}")
         return str(target)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts, _ = load_prompts(train_files, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
-    pairs = [(p.ids, tokenizer.encode(p.ground_truth, add_special_tokens=False) + [tokenizer.eos_token_id])
-             for p in prompts]
     # warm start never generates: the shared-module hf engine costs nothing to build
     sft_cfg = replace(cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant"),
                       trainer=replace(cfg.trainer, total_steps=w.steps), rollout=replace(cfg.rollout, backend="hf"))
@@ -49,7 +57,7 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
         pool.add("actor", ActorRollout, lambda r: dict(cfg=sft_cfg, model_path=model_path, device=device))
         worker, rng = pool.workers[0], random.Random(cfg.trainer.seed)
         for step in range(w.steps):
-            metrics = ray.get(worker.run.remote("actor", "sft_update", rng.sample(pairs, w.batch_size)))
+            metrics = ray.get(worker.run.remote("actor", "sft_update", rng.sample(examples, w.batch_size)))
             if step % 10 == 0 or step == w.steps - 1:
                 tracker.log_metrics({f"warmstart/{k.split('/')[-1]}": v for k, v in metrics.items()}, step=step)
         tmp = target.with_name(target.name + ".tmp")

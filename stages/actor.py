@@ -1,10 +1,11 @@
 """The hybrid actor stage: one process that generates with the rollout engine and trains the policy.
 
-Verbs: `generate`, `logprobs`, `advantages`, `update`, `sft_update`, `save`, `load`, `export`.
+Verbs: `generate`, `logprobs`, `advantages`, `update`, `sft_update`, `dpo_update`, `dpo_eval`, `save`,
+`load`, `export`.
 The trainer (FSDP2 shards) and the rollout engine (its own layout, on the same device) hold
 separate copies of the weights; after every update `engine.reshard` moves the trainer's into
-the rollout's in place. `update`, `sft_update`, `save`, `load` and `export` are collective:
-every rank of the pool calls them together.
+the rollout's in place. Every verb but `generate` and `advantages` is collective: every rank of
+the pool calls it together.
 
 Invariants:
 - sampling is seeded from (trainer.seed, step, rank): a resumed step draws the same samples;
@@ -255,6 +256,68 @@ class ActorRollout:
         self.sync_rollout()
         return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"]}
 
+    # -- preference training -------------------------------------------------------------
+    def dpo_update(self, batch: Batch) -> dict:
+        """DPO optimizer steps over pair rows (chosen then rejected, group_size 2) that carry the
+        reference's logprobs, `actor.mini_batch_prompts` pairs (over all ranks) per step.
+
+        Returns {"sums": per-pair statistics summed over this rank's pairs, "pairs": B,
+        "metrics": optimizer numbers, "timing": ...}; the driver divides the sums over all ranks.
+        """
+        start = time.perf_counter()
+        rows = 2 * (self.cfg.actor.mini_batch_prompts // self.world)
+        sums: dict[str, float] = {}
+        grad_norms = []
+        for lo in range(0, len(batch), rows):
+            out = self.engine.step(partial(self._dpo_micro_losses, batch.rows(slice(lo, lo + rows)), sums))
+            grad_norms.append(out["grad_norm"])
+        self.sync_rollout()
+        batch.timing["update_actor"] = time.perf_counter() - start
+        metrics = {"dpo/grad_norm": float(np.mean(grad_norms)), "dpo/lr": out["lr"],
+                   "actor/skipped_steps": self.engine.skipped_steps,
+                   "actor/consecutive_skipped_steps": self.engine.consecutive_skips}
+        return {"sums": sums, "pairs": len(batch) // 2, "metrics": metrics, "timing": batch.timing}
+
+    def dpo_eval(self, batch: Batch) -> dict:
+        """The DPO loss and implicit rewards of pair rows, without a gradient; shaped like `dpo_update`'s."""
+        start = time.perf_counter()
+        ids, attn, pos = batch.sequences()
+        logp, _ = response_logprobs(self.engine.root, ids, attn, pos, batch.response_ids, 1.0,
+                                    self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
+        sums: dict[str, float] = {}
+        self._dpo_pairs_loss(logp, batch.ref_logprobs, batch.response_mask, sums)
+        batch.timing["dpo_eval"] = time.perf_counter() - start
+        return {"sums": sums, "pairs": len(batch) // 2, "timing": batch.timing}
+
+    def _dpo_micro_losses(self, mini: Batch, sums: dict[str, float]) -> list:
+        a = self.cfg.actor
+        ids, attn, pos = mini.sequences()  # [2b, L]
+        pairs = len(mini) // 2
+        denom = all_reduce_sum(float(pairs))  # the loss is a mean over every rank's pairs
+        # micro-batches of whole pairs: a pair's two rows side by side make one [b, 2L] row
+        chunks = micro_batches(attn.reshape(pairs, -1), a.micro_batch_tokens_per_gpu, a.pack_sequences)
+        return [partial(self._dpo_loss, mini, torch.stack([2 * c, 2 * c + 1], 1).flatten(), ids, attn, pos,
+                        denom, sums) for c in chunks]
+
+    def _dpo_loss(self, mini: Batch, r: torch.Tensor, ids, attn, pos, denom: float, sums) -> torch.Tensor:
+        # DPO compares the models' own distributions: temperature 1, as the reference scores them
+        logp, _ = forward_logprobs(self.engine.root, ids[r], attn[r], pos[r], mini.response_ids[r], 1.0,
+                                   self.cfg.actor.pack_sequences, entropy=False)
+        loss = self._dpo_pairs_loss(logp, mini.ref_logprobs[r].to(logp.device), mini.response_mask[r].to(logp.device),
+                                    sums)
+        return loss * (len(r) // 2) / denom
+
+    def _dpo_pairs_loss(self, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor,
+                        sums: dict[str, float]) -> torch.Tensor:
+        """Mean DPO loss of [2b, R] pair rows; adds the b pairs' summed statistics to `sums`."""
+        seq = (logp * mask).sum(1).view(-1, 2)  # [b, 2]: chosen, rejected
+        ref_seq = (ref * mask).sum(1).view(-1, 2)
+        loss, m = algos.dpo_loss(seq[:, 0], seq[:, 1], ref_seq[:, 0], ref_seq[:, 1], self.cfg.dpo.beta)
+        b = len(seq)
+        for key, value in {"loss": loss.detach(), **{DPO_NAMES[k]: v for k, v in m.items()}}.items():
+            sums[key] = sums.get(key, 0.0) + float(value) * b
+        return loss
+
     # -- state -----------------------------------------------------------------------------
     def save(self, directory: str) -> None:
         """Write this rank's part of a checkpoint into `directory` (a temp dir the driver seals):
@@ -306,6 +369,10 @@ def peak_memory(phase: str, metrics: dict[str, float]) -> None:
     if torch.cuda.is_available():
         metrics[f"perf/max_memory_allocated_gb/{phase}"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
+
+
+DPO_NAMES = {"rewards/chosen": "chosen_reward", "rewards/rejected": "rejected_reward",
+             "rewards/margin": "reward_margin", "rewards/accuracy": "reward_accuracy"}
 
 
 def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,8 +1,11 @@
-"""The reward stage: rule functions scoring decoded responses against ground truth.
+"""The reward stage: rule functions and, optionally, a reward model scoring decoded responses.
 
 Verb: `score(batch) -> batch` filling `scores` [N] (and `baseline_scores` [N] when the batch
-carries ReMax's greedy answers) and `reward/*` metrics. A failing user function
-scores 0 and is counted (`reward/errors`) unless `reward.on_error=raise`.
+carries ReMax's greedy answers) and `reward/*` metrics. A score is
+`reward.rule_weight x rule + reward.model_weight x model(prompt + response)`; a part whose weight
+is 0 is not computed, and each part computed is logged as `reward/rule/mean`, `reward/model/mean`
+(`critic/score/*` is the mix). A failing user function scores 0 and is counted
+(`reward/errors`) unless `reward.on_error=raise`.
 """
 
 from __future__ import annotations
@@ -13,21 +16,39 @@ import torch
 
 from engine.batch import Batch
 from engine.config import Config
+from engine.reward_model import RewardModel
 from engine.rewards import RewardFunction
 
 
 class Reward:
-    def __init__(self, cfg: Config) -> None:
-        self.fn = RewardFunction(cfg.reward.function, cfg.reward.on_error, cfg.reward.timeout_s)
+    def __init__(self, cfg: Config, device: str = "cpu") -> None:
+        rw = cfg.reward
+        self.rule_weight, self.model_weight = rw.rule_weight, rw.model_weight if rw.model else 0.0
+        self.fn = RewardFunction(rw.function, rw.on_error, rw.timeout_s) if self.rule_weight else None
+        self.model = (RewardModel(rw.model, cfg.model.dtype, device, cfg.actor.micro_batch_tokens_per_gpu)
+                      if self.model_weight else None)
 
     def score(self, batch: Batch) -> Batch:
         start = time.perf_counter()
-        scores, metrics, _ = self.fn(batch.data_source, batch.responses, batch.ground_truth, batch.extra_info)
-        batch.scores = torch.tensor(scores, dtype=torch.float32)
+        batch.scores, metrics = self.mix(batch, batch.responses)
         if batch.baseline_responses:  # ReMax: the greedy answers, scored alike
-            baseline, _, _ = self.fn(batch.data_source, batch.baseline_responses, batch.ground_truth, batch.extra_info)
-            batch.baseline_scores = torch.tensor(baseline, dtype=torch.float32)
+            batch.baseline_scores, _ = self.mix(batch, batch.baseline_responses)
             metrics["reward/greedy_baseline/mean"] = float(batch.baseline_scores.mean())
         batch.metrics.update(metrics)
         batch.timing["reward"] = time.perf_counter() - start
         return batch
+
+    def mix(self, batch: Batch, responses: list[str]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The weighted sum of the rule and model scores of `responses` [N], and their metrics."""
+        total = torch.zeros(len(responses))  # [N]
+        metrics: dict[str, float] = {}
+        if self.fn is not None:
+            rule, metrics, _ = self.fn(batch.data_source, responses, batch.ground_truth, batch.extra_info)
+            part = torch.tensor(rule, dtype=torch.float32)
+            total += self.rule_weight * part
+            metrics["reward/rule/mean"] = float(part.mean())
+        if self.model is not None:
+            part = self.model.score([p + r for p, r in zip(batch.prompt_text, responses)])
+            total += self.model_weight * part
+            metrics["reward/model/mean"] = float(part.mean())
+        return total, metrics

@@ -44,3 +44,19 @@ def trainer_logprobs(model, prompts: list[list[int]], n: int, completions: list,
 @pytest.fixture(scope="session")
 def data_files(tmp_path_factory) -> dict[str, str]:
     return task.build_data(tmp_path_factory.mktemp("data"), n_train=512, n_val=64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2ForSequenceClassification (one output) with the char tokenizer, as a HF directory."""
+    from transformers import AutoModelForSequenceClassification, Qwen2Config
+
+    out = tmp_path_factory.mktemp("reward_model") / "rm"
+    tok = task.build_tokenizer()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_labels=1,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(1)
+    AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

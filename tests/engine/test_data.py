@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import task
-from engine.data import Prompt, PromptLoader, embedded_files, load_prompts
+from engine.data import Pair, Prompt, PromptLoader, embedded_files, load_pairs, load_prompts, pairs_batch
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,44 @@ def test_embedded_files_build_once_and_load(tmp_path, tokenizer) -> None:
     assert embedded_files(tmp_path, seed=0) == paths and Path(paths["train"]).stat().st_mtime_ns == stamp
     prompts, counts = load_prompts([paths["val"]], tokenizer, 64)
     assert counts["kept"] == counts["rows"] == 256 and prompts[0].data_source == "arith"
+
+
+def pair(prompt="1+2=", chosen="3", rejected="4", **extra) -> dict:
+    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, **extra}
+
+
+def test_pair_loader_counts_malformed_and_overlong_rows(tmp_path, tokenizer, caplog) -> None:
+    rows = [pair(data_source="arith"), pair(prompt=[{"role": "user", "content": "2+2="}], chosen="4", rejected="5"),
+            pair(chosen=None), pair(rejected=None), pair(chosen="3", rejected=" 3 "), pair(chosen="  "),
+            pair(prompt=[]), pair(prompt="9" * 20), pair(rejected="12345678")]
+    with caplog.at_level(logging.WARNING, logger="rlflow.data"):
+        pairs, counts = load_pairs([write_jsonl(tmp_path / "p.jsonl", rows)], tokenizer, 8, 4)
+    assert counts == {"rows": 9, "kept": 2, "overlong": 2, "malformed": 5, "malformed/chosen": 1,
+                      "malformed/rejected": 1, "malformed/same_answer": 1, "malformed/empty_chosen": 1,
+                      "malformed/empty_prompt": 1}
+    check_counts(counts)
+    assert "skipped 7 of 9 pair rows" in caplog.text
+    eos = tokenizer.eos_token_id
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    assert pairs[0] == Pair(enc("1+2="), enc("3") + [eos], enc("4") + [eos], "arith", "1+2=")
+    assert pairs[1].data_source == "preference" and pairs[1].rejected == enc("5") + [eos]
+    with pytest.raises(ValueError, match=r"row 7: prompt is 20 tokens.*pairs are never truncated"):
+        load_pairs([str(tmp_path / "p.jsonl")], tokenizer, 8, 4, overlong="error")
+
+
+def test_pairs_batch_keeps_each_pair_together(tokenizer) -> None:
+    eos = tokenizer.eos_token_id
+    pairs = [Pair([5, 6, 7], [8, eos], [9, 9, eos], "a", "x"), Pair([5], [8, 8, 8, eos], [9, eos], "b", "y")]
+    b = pairs_batch(pairs, 0)
+    assert b.group_size == 2 and len(b) == 4 and b.data_source == ["a", "a", "b", "b"]
+    ids, mask, _ = b.sequences()
+    real = [ids[i][mask[i].bool()].tolist() for i in range(4)]
+    assert real == [[5, 6, 7, 8, eos], [5, 6, 7, 9, 9, eos], [5, 8, 8, 8, eos], [5, 9, eos]]
+
+
+def test_embedded_pairs_match_the_embedded_prompts(tmp_path) -> None:
+    prompts = pd.read_parquet(task.build_data(tmp_path / "d", n_train=300, n_val=40)["train"])
+    pairs = pd.read_parquet(task.build_pairs(tmp_path / "p", n_train=300, n_val=40)["train"])
+    assert [p[0]["content"] for p in prompts["prompt"]] == [p[0]["content"] for p in pairs["prompt"]]
+    assert [r["ground_truth"] for r in prompts["reward_model"]] == pairs["chosen"].tolist()
+    assert all(c != r and r.isdigit() and (r == "0" or r[0] != "0") for c, r in zip(pairs["chosen"], pairs["rejected"]))

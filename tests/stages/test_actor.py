@@ -1,5 +1,7 @@
 """The stage verbs in-process, in the order the pipeline runs them."""
 
+import math
+
 import pytest
 import torch
 
@@ -143,3 +145,58 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
         for (name, _), a, b in zip(actor.engine.model.named_parameters(), grads, results[0][2]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=name)
     assert results[0][1] < 1e-4  # trainer and rollout agree (fp32)
+
+
+def dpo_batch(actor, ref, n: int):
+    """n embedded-style pairs with answers of different lengths, carrying reference logprobs."""
+    from engine import task
+    from engine.data import Pair, pairs_batch
+
+    tok, eos, rng = actor.tokenizer, actor.tokenizer.eos_token_id, __import__("random").Random(0)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    pairs = [Pair(enc(f"{a}+{a + 7}="), enc(str(2 * a + 7)) + [eos], enc(task.wrong_answer(2 * a + 7, rng)) + [eos],
+                  "arith", "") for a in range(3, 3 + 9 * n, 9)]
+    return ref.logprobs(pairs_batch(pairs, tok.pad_token_id))
+
+
+def test_dpo_loss_matches_a_direct_forward_and_ignores_micro_batching(model_dir):
+    """At the start the policy is the reference: loss ln 2, zero margin. One optimizer step over 8
+    pairs gives the same loss and gradient in one micro-batch or one pair at a time, packed or not,
+    and its loss is dpo_loss of summed logprobs from a plain transformers forward."""
+    from dataclasses import replace
+
+    from engine import algos
+
+    cfg = load_config(None, ["data.prompts_per_step=8", "actor.mini_batch_prompts=8", "actor.grad_clip=1e9",
+                             "dpo.beta=0.5", "actor.lr=1e-2"])
+    actor, ref = ActorRollout(cfg, str(model_dir)), Reference(cfg, str(model_dir))
+    batch = dpo_batch(actor, ref, 8)
+    assert len(set(batch.response_mask.sum(1).tolist())) > 1, "the equivalence needs mixed lengths"
+    start = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
+    before = actor.dpo_eval(batch.rows(slice(None)))
+    assert before["sums"]["loss"] / 8 == pytest.approx(math.log(2), abs=1e-6)
+    assert before["sums"]["reward_margin"] == pytest.approx(0, abs=1e-6)
+    # pretend the reference is another model, so the loss is not at its symmetric point
+    batch.ref_logprobs = batch.ref_logprobs + 0.3 * torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask
+    results = []
+    for pack, budget in [(False, 4096), (True, 4096), (False, 26), (True, 20)]:  # small: one pair per micro-batch
+        actor.cfg = replace(cfg, actor=replace(cfg.actor, pack_sequences=pack, micro_batch_tokens_per_gpu=budget))
+        actor.engine.model.load_state_dict(start)
+        out = actor.dpo_update(batch.rows(slice(None)))
+        results.append((out["sums"], [p.grad.clone() for p in actor.engine.model.parameters()]))
+    for sums, grads in results[1:]:
+        assert sums == pytest.approx(results[0][0], rel=1e-5, abs=1e-6)
+        for a, b in zip(grads, results[0][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    ids, mask, pos = batch.sequences()
+    with torch.no_grad():
+        logits = ref.model(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # ref holds the start weights
+    width = batch.response_ids.shape[1]
+    logp = torch.log_softmax(logits[:, -width - 1:-1].float(), -1).gather(-1, batch.response_ids[..., None])[..., 0]
+    seq = (logp * batch.response_mask).sum(1).view(-1, 2)
+    ref_seq = (batch.ref_logprobs * batch.response_mask).sum(1).view(-1, 2)
+    loss, m = algos.dpo_loss(seq[:, 0], seq[:, 1], ref_seq[:, 0], ref_seq[:, 1], 0.5)
+    assert results[0][0]["loss"] / 8 == pytest.approx(float(loss), rel=1e-5)
+    assert results[0][0]["reward_margin"] / 8 == pytest.approx(float(m["rewards/margin"]), rel=1e-4, abs=1e-6)
+    changed = [k for k, v in actor.engine.model.state_dict().items() if not torch.equal(v, start[k])]
+    assert changed, "the update must change the policy"

@@ -1,0 +1,195 @@
+"""DPO from preference pairs to gradients, on Ray, tracked in MLflow.
+
+Algorithm (Rafailov et al., 2023): for a prompt x with a chosen answer c and a rejected one r,
+minimise -log sigmoid(beta * ((log pi(c|x) - log ref(c|x)) - (log pi(r|x) - log ref(r|x)))),
+log-probabilities summed over each answer's tokens, `ref` the frozen starting policy. The implicit
+reward of an answer is beta * (log pi - log ref); its chosen-minus-rejected margin and how often it
+is positive (`reward_accuracy`) are what the run tracks, on the training pairs (`dpo/*`, measured
+in the step's forward, before that mini-batch's update) and on held-out pairs (`val/*`). Dropped:
+label smoothing / IPO / conservative variants, an added SFT term, and precomputed reference
+logprobs (the reference recomputes them each step, next to the actor, as in GRPO's KL path).
+
+One step, per data-parallel rank (`step_graph`):
+    pairs -> reference.logprobs -> actor.dpo_update
+compiled into a Ray compiled graph (`trainer.dag=compiled`) or run as `.remote()` calls (`plain`).
+Validation, checkpoints and logging stay in the driver, between executions. With the embedded
+model, the warm start is supervised training on the training pairs' chosen answers; on the
+embedded pairs those are the GRPO default's warm-start examples, in the same order.
+
+Invariants:
+- a pair's two rows (chosen, then rejected: group_size 2) stay on one rank and in one micro-batch;
+- metrics are means over the pairs of every rank: the ranks return sums, the driver divides;
+- a resumed run continues from the checkpoint's weights, optimizer and loader position.
+
+Run: `rlflow dpo [conf/dpo.yaml] [key=value ...]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from transformers import AutoTokenizer
+
+from engine import checkpoint
+from engine.batch import Batch
+from engine.config import Config
+from engine.data import Pair, PromptLoader, load_pairs, pairs_batch
+from engine.placement import Pool
+from engine.tracking import Tracker
+from pipelines.grpo import GET_TIMEOUT_S, check_health
+from pipelines.sft import supervised
+from stages.actor import ActorRollout
+from stages.reference import Reference
+from stages.worker import StageWorker
+
+
+class Stages:
+    """The policy (actor) and the frozen reference, colocated unless `placement.own_pool` has reference."""
+
+    def __init__(self, cfg: Config, model_path: str) -> None:
+        p = cfg.placement
+        device = "cuda" if p.gpus_per_worker else "cpu"
+        self.roles = {"actor": "hybrid", "reference": "reference" if "reference" in p.own_pool else "hybrid"}
+        self.pools = {name: Pool(name, StageWorker, p.workers, p.gpus_per_worker, p.torch_threads)
+                      for name in dict.fromkeys(self.roles.values())}
+        self.pools["hybrid"].add("actor", ActorRollout, lambda r: dict(cfg=cfg, model_path=model_path, rank=r,
+                                                                      world=p.workers, device=device))
+        self.pools[self.roles["reference"]].add("reference", Reference,
+                                                lambda r: dict(cfg=cfg, model_path=model_path, device=device))
+        self.workers = p.workers
+
+    def worker(self, role: str, rank: int) -> Any:
+        return self.pools[self.roles[role]].workers[rank]
+
+    def shutdown(self) -> None:
+        for pool in self.pools.values():
+            pool.shutdown()
+
+
+def step_graph(stages: Stages, inputs: list[Any], call: Callable, verb: str = "dpo_update") -> list[Any]:
+    """One chain per rank; `call` binds (compiled DAG) or submits (plain). `verb`: dpo_update or dpo_eval."""
+    outputs = []
+    for rank, batch in enumerate(inputs):
+        batch = call(stages.worker("reference", rank).run, "reference", "logprobs", batch)  # the frozen anchor
+        outputs.append(call(stages.worker("actor", rank).run, "actor", verb, batch))  # DPO loss, optimizer steps
+    return outputs
+
+
+def make_runner(cfg: Config, stages: Stages) -> tuple[Callable[[list[Batch]], list[dict]], Callable]:
+    """(run one step, release) for the configured execution mode."""
+    if cfg.trainer.dag == "plain":
+        submit = lambda method, *args: method.remote(*args)  # noqa: E731
+        return (lambda xs: ray.get(step_graph(stages, xs, submit), timeout=GET_TIMEOUT_S)), (lambda: None)
+    from ray.dag import InputNode, MultiOutputNode
+
+    bind = lambda method, *args: method.bind(*args)  # noqa: E731
+    with InputNode() as inp:
+        dag = MultiOutputNode(step_graph(stages, [inp[r] for r in range(stages.workers)], bind))
+    compiled = dag.experimental_compile(_submit_timeout=GET_TIMEOUT_S)
+    return (lambda xs: ray.get(compiled.execute(*xs), timeout=GET_TIMEOUT_S)), compiled.teardown
+
+
+def shard(pairs: list[Pair], workers: int, pad_id: int) -> list[Batch]:
+    """Contiguous equal shards of whole pairs, one Batch per rank."""
+    size = len(pairs) // workers
+    return [pairs_batch(pairs[i * size:(i + 1) * size], pad_id) for i in range(workers)]
+
+
+def merge(results: list[dict], prefix: str) -> dict[str, float]:
+    """`<prefix>/<stat>`: each per-pair statistic averaged over every rank's pairs; timings (slowest rank)."""
+    pairs = sum(r["pairs"] for r in results)
+    out = {f"{prefix}/{k}": sum(r["sums"][k] for r in results) / pairs for k in results[0]["sums"]}
+    out.update(results[0].get("metrics", {}))  # optimizer numbers: the same on every rank after the all-reduce
+    for k in results[0]["timing"]:
+        out[f"timing_s/{k}"] = max(r["timing"][k] for r in results)
+    return out
+
+
+def validate(stages: Stages, batches: list[Batch]) -> dict[str, float]:
+    """`val/loss`, `val/reward_margin`, `val/reward_accuracy`, `val/chosen_reward`, `val/rejected_reward`."""
+    submit = lambda method, *args: method.remote(*args)  # noqa: E731
+    results = ray.get(step_graph(stages, batches, submit, "dpo_eval"), timeout=GET_TIMEOUT_S)
+    return {k: v for k, v in merge(results, "val").items() if not k.startswith("timing_s/")}
+
+
+def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
+    tmp = checkpoint.begin(root, step)
+    ray.get([stages.worker("actor", r).run.remote("actor", "save", str(tmp)) for r in range(stages.workers)])
+    return checkpoint.commit(root, tmp, step, {"step": step, "loader": loader.state_dict(), "run_id": run_id},
+                             keep)
+
+
+def resume(stages: Stages, ckpt: Path | None, loader: PromptLoader) -> int:
+    """Load `ckpt` (if any) into the actors and the loader; returns the step to continue from."""
+    if not ckpt:
+        return 0
+    ray.get([stages.worker("actor", r).run.remote("actor", "load", str(ckpt)) for r in range(stages.workers)])
+    state = checkpoint.read_driver_state(ckpt)
+    loader.load_state_dict(state["loader"])
+    print(f"resumed from {ckpt} at step {state['step']}")
+    return int(state["step"])
+
+
+def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Pair], dict[str, int], int]:
+    """The usable pairs of `files`, skip counts, and the pad token id."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pairs, counts = load_pairs(files, tokenizer, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens,
+                               cfg.data.overlong_prompts)
+    return pairs, counts, tokenizer.pad_token_id
+
+
+def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
+    """`warmstart.steps` supervised steps on the training pairs' chosen answers; returns the HF directory."""
+    pairs, _, _ = load(cfg, model_path, train_files)
+    return supervised(cfg, model_path, [(p.prompt, p.chosen) for p in pairs], tracker)
+
+
+def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
+    """The DPO loop; returns the exported HF directory of the final policy."""
+    t, out, workers = cfg.trainer, Path(cfg.trainer.output_dir), cfg.placement.workers
+    # DPO never generates: the shared-module hf engine costs nothing (no KV cache, no vLLM), and the
+    # reference scores at temperature 1, the models' own distributions
+    cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0, backend="hf"))
+    train_pairs, counts, pad_id = load(cfg, model_path, files["train"])
+    val_pairs, _, _ = load(cfg, model_path, files["val"])
+    val_pairs = val_pairs[:cfg.data.val_max_prompts or None]
+    val = shard(val_pairs[:len(val_pairs) // workers * workers], workers, pad_id)
+    tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
+    loader = PromptLoader(train_pairs, cfg.data.prompts_per_step, t.seed)
+    root = out / "checkpoints"
+    stages = Stages(cfg, model_path)
+    release: Callable = lambda: None  # noqa: E731
+    try:
+        last_ckpt = checkpoint.find_resume(root, t.resume)
+        step = resume(stages, last_ckpt, loader)
+        run_step, release = make_runner(cfg, stages)
+        while step < t.total_steps:
+            if t.val_every and step % t.val_every == 0:  # before `begin`: not part of the step's time
+                tracker.log_metrics(validate(stages, val), step=step)
+            begin = time.perf_counter()
+            metrics = merge(run_step(shard(loader.next_batch(), workers, pad_id)), "dpo")
+            metrics["timing_s/step"] = time.perf_counter() - begin
+            check_health(metrics, t.max_consecutive_skips, last_ckpt)
+            step += 1
+            tracker.log_metrics(metrics, step=step)
+            if t.save_every and step % t.save_every == 0 and step < t.total_steps:
+                last_ckpt = save(stages, root, step, loader, tracker.run_id, t.keep_last)
+            if t.progress and (step % 10 == 0 or step == t.total_steps):
+                print(f"dpo step {step}/{t.total_steps}: loss {metrics['dpo/loss']:.4f} "
+                      f"margin {metrics['dpo/reward_margin']:.4f} accuracy {metrics['dpo/reward_accuracy']:.3f}")
+        tracker.log_metrics(validate(stages, val), step=t.total_steps)
+        ckpt = save(stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
+        tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
+        export = out / "hf_model"
+        ray.get([stages.worker("actor", r).run.remote("actor", "export", str(export))  # collective
+                 for r in range(stages.workers)])
+        tracker.log_artifact(str(export), "hf_model")
+        return export
+    finally:
+        release()
+        stages.shutdown()
