@@ -75,6 +75,7 @@ class ActorConfig:
     kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs
     entropy_coef: float = 0.0
     offload_optimizer: bool = False  # CUDA: optimizer state in pinned CPU memory while generating
+    activation_checkpointing: bool = False  # recompute decoder layers in backward (actor and critic)
 
 
 @dataclass

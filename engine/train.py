@@ -245,9 +245,11 @@ class TrainEngine:
 
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
-                 root: Any = None, model_cls: Any = AutoModelForCausalLM, **model_kwargs: Any) -> None:
+                 root: Any = None, checkpointing: bool = False, model_cls: Any = AutoModelForCausalLM,
+                 **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
-        (default `Policy`) the FSDP2 root every forward runs through."""
+        (default `Policy`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
+        decoder layer's activations in backward instead of keeping them."""
         root = root or Policy
         self.device = torch.device(device)
         process_group(self.device)
@@ -256,6 +258,8 @@ class TrainEngine:
             **model_kwargs)
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
+        if checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.root: Any = root(self.model)
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         precision = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)

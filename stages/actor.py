@@ -57,7 +57,7 @@ class ActorRollout:
         rl_steps = cfg.trainer.total_steps - cfg.critic.warmup_steps  # the policy waits while the critic warms up
         self.engine = TrainEngine(model_path, a.lr, a.weight_decay, a.grad_clip, a.warmup_steps,
                                   rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
-                                  a.lr_schedule, cfg.model.dtype, device)
+                                  a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing)
         r = cfg.rollout
         self.rollout = build_rollout(r.backend, self.tokenizer, model_path, r.dtype, device,
                                      cfg.data.max_prompt_tokens + r.max_new_tokens,

@@ -80,7 +80,8 @@ class Critic:
             torch.manual_seed(cfg.trainer.seed)
             self.engine = TrainEngine(model_path, cfg.critic.lr, a.weight_decay, a.grad_clip, a.warmup_steps, steps,
                                       a.lr_schedule, cfg.model.dtype, device,
-                                      root=ValueModel, model_cls=AutoModelForTokenClassification, num_labels=1)
+                                      root=ValueModel, checkpointing=a.activation_checkpointing,
+                                      model_cls=AutoModelForTokenClassification, num_labels=1)
 
     def values(self, batch: Batch) -> Batch:
         """V(prompt + response[:t]) for every response token t, without gradients."""

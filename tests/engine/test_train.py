@@ -105,17 +105,20 @@ def sft_losses(engine, ids, per_micro, denom=None):
     return lambda: [lambda r=slice(i, i + per_micro): loss(r) for i in range(0, len(ids), per_micro)]
 
 
-def test_one_micro_batch_of_8_equals_8_of_1(model_dir):
+def test_one_micro_batch_of_8_equals_8_of_1_and_checkpointing_changes_nothing(model_dir):
     torch.manual_seed(0)
     ids = torch.randint(3, 90, (8, 6))
     a = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", "cpu")
     b = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", "cpu")
+    c = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", "cpu", checkpointing=True)
+    assert c.model.model.gradient_checkpointing and not a.model.model.gradient_checkpointing
     out_a = a.step(sft_losses(a, ids, 8))
-    out_b = b.step(sft_losses(b, ids, 1))
-    assert out_a["loss"] == pytest.approx(out_b["loss"], rel=1e-5)
-    assert out_a["grad_norm"] == pytest.approx(out_b["grad_norm"], rel=1e-4)
-    for (name, pa), pb in zip(a.model.named_parameters(), b.model.parameters()):
-        torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-7, msg=name)
+    for other, per_micro in ((b, 1), (c, 2)):  # c also recomputes its layers' activations in backward
+        out = other.step(sft_losses(other, ids, per_micro))
+        assert out_a["loss"] == pytest.approx(out["loss"], rel=1e-5)
+        assert out_a["grad_norm"] == pytest.approx(out["grad_norm"], rel=1e-4)
+        for (name, pa), pb in zip(a.model.named_parameters(), other.model.parameters()):
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
 def test_non_finite_loss_skips_the_step(model_dir):
