@@ -13,8 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import task
-from engine.data import (Pair, Prompt, PromptLoader, embedded_files, load_examples, load_pairs, load_prompts,
-                         pairs_batch)
+from engine.data import Pair, Prompt, PromptLoader, embedded_files, load_examples, load_pairs, load_prompts, pairs_batch
 
 
 @pytest.fixture(scope="module")
