@@ -18,7 +18,8 @@ The warm start (`supervised`) runs the same step on one worker for `warmstart.st
 `warmstart.batch_size` examples at a constant `warmstart.lr`, without validation or checkpoints.
 
 Invariants:
-- batches come from a `PromptLoader` seeded from `trainer.seed`: a resumed run draws the same ones;
+- batches are drawn with generators seeded from `trainer.seed`: a `PromptLoader` (shuffled epochs,
+  so a resumed run draws the same batches), and for the warm start independent samples;
 - the warm-start directory appears only complete (written to a temp dir, then renamed), so a
   resumed run reuses it instead of training it again.
 
@@ -28,6 +29,7 @@ Run: `rlflow sft [conf/sft.yaml] [key=value ...]`.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable
@@ -140,13 +142,13 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
         cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant"),
         data=replace(cfg.data, prompts_per_step=w.batch_size), placement=replace(cfg.placement, workers=1),
         trainer=replace(cfg.trainer, total_steps=w.steps)))
-    loader = PromptLoader(examples, w.batch_size, cfg.trainer.seed)
+    rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them
     stages = Stages(ws_cfg, model_path, reference=False)
     release: Callable = lambda: None  # noqa: E731
     try:
         run_step, release = make_runner(ws_cfg, stages, step_graph)
         for step in range(w.steps):
-            metrics = sft_step(run_step, loader.next_batch(), 1)
+            metrics = sft_step(run_step, rng.sample(examples, w.batch_size), 1)
             if step % 10 == 0 or step == w.steps - 1:
                 tracker.log_metrics({f"warmstart/{k[4:]}": v for k, v in metrics.items() if k.startswith("sft/")},
                                     step=step)
