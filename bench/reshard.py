@@ -112,10 +112,68 @@ def one_train_step(engine: Any, vocab: int) -> None:
                                                    False, entropy=False)[0].mean()])
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: str) -> None:
+def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_peak: float) -> None:
+    """Switch times, floor and reload baseline for one generation TP layout; rank 0 prints them."""
     from engine.native import NativeRollout
-    from engine.native_model import TP, NativeCausalLM
+    from engine.native_model import NativeCausalLM
     from engine.reshard import Resharder
+
+    device, rank = args.device, dist.get_rank()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device("meta"):
+        rollout_model = NativeCausalLM(engine.model.config, tp)
+    rollout_model = rollout_model.to_empty(device=device).to(dtype)
+    rollout = NativeRollout(rollout_model, None, max_slots=args.slots, max_len=args.max_len)
+    resharder = Resharder(engine.model, rollout_model)
+    rollout.release_memory()
+
+    def to_generation() -> None:
+        engine.offload() if args.offload else engine.optimizer.zero_grad(set_to_none=True)
+        rollout.resume_memory()
+        resharder.sync()
+
+    def to_training() -> None:
+        rollout.release_memory()
+        engine.onload()
+
+    def reload() -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True))
+        with torch.device("meta"):
+            fresh = NativeCausalLM(engine.model.config, tp)
+        fresh = fresh.to_empty(device=device).to(dtype)
+        fresh.load_weights(full.items())
+        NativeRollout(fresh, None, max_slots=args.slots, max_len=args.max_len)
+
+    down, up, peak = [], [], 0.0
+    for _ in range(args.repeats):
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        down.append(timed(to_generation, device))
+        peak = max(peak, peak_gb(device))
+        up.append(timed(to_training, device))
+    reshard_only = statistics.median(timed(resharder.sync, device) for _ in range(args.repeats))
+    if world > 1:  # the bytes that must cross a link, at the measured all-to-all rate
+        link, bw = "all-to-all", alltoall_gbps(resharder.bytes_received, device)
+        floor = resharder.bytes_from_peers / 1e9 / bw
+    else:  # one GPU: read the fp32 master (2x the bf16 bytes) and write the bf16 copy, at copy speed
+        link, bw = "copy", copy_gbps(device)
+        floor = 3 * resharder.bytes_received / 1e9 / bw
+    rollout.release_memory()
+    baseline = timed(reload, device)
+    if rank == 0:
+        d, u = statistics.median(down), statistics.median(up)
+        print(f"  t={tp.size}: train->gen {d * 1e3:8.1f} ms (reshard alone {reshard_only * 1e3:.1f} ms), "
+              f"gen->train {u * 1e3:7.1f} ms; moved {resharder.bytes_from_peers / 2**30:.2f} GiB from peers "
+              f"({resharder.bytes_received / 2**30:.2f} GiB into the rollout), {link} {bw:.0f} GB/s, "
+              f"floor {floor * 1e3:.1f} ms -> reshard {reshard_only / floor if floor else float('nan'):.1f}x floor; "
+              f"reload baseline {baseline * 1e3:.0f} ms = {baseline / d:.0f}x the switch; "
+              f"peak {train_peak:.1f} GiB train, {peak:.1f} GiB switch+gen", flush=True)
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: str) -> None:
+    from engine.native_model import TP
     from engine.train import TrainEngine
 
     device = args.device
@@ -123,67 +181,16 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
+    start = time.perf_counter()
     engine = TrainEngine(path, 1e-5, 0.0, 1.0, 0, 10, "constant", "bfloat16" if device == "cuda" else "float32",
                          device)
     one_train_step(engine, engine.model.config.vocab_size)
+    if rank == 0:  # setup is most of a run's time on a fresh machine: say where it stands
+        print(f"  trainer built and stepped in {time.perf_counter() - start:.0f} s", flush=True)
     peaks = {"train": peak_gb(device)}
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for t in args.tp:
         groups = [dist.new_group(list(range(g, g + t))) for g in range(0, world, t)]  # every rank makes every group
-        tp = TP(rank % t, t, groups[rank // t])
-        with torch.device("meta"):
-            rollout_model = NativeCausalLM(engine.model.config, tp)
-        rollout_model = rollout_model.to_empty(device=device).to(dtype)
-        rollout = NativeRollout(rollout_model, None, max_slots=args.slots, max_len=args.max_len)
-        resharder = Resharder(engine.model, rollout_model)
-        rollout.release_memory()
-
-        def to_generation() -> None:
-            engine.offload() if args.offload else engine.optimizer.zero_grad(set_to_none=True)
-            rollout.resume_memory()
-            resharder.sync()
-
-        def to_training() -> None:
-            rollout.release_memory()
-            engine.onload()
-
-        down, up, peak = [], [], 0.0
-        for _ in range(args.repeats):
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            down.append(timed(to_generation, device))
-            peak = max(peak, peak_gb(device))
-            up.append(timed(to_training, device))
-        reshard_only = statistics.median(timed(resharder.sync, device) for _ in range(args.repeats))
-        if world > 1:  # the bytes that must cross a link, at the measured all-to-all rate
-            bw = alltoall_gbps(resharder.bytes_received, device)
-            floor = resharder.bytes_from_peers / 1e9 / bw
-        else:  # one GPU: read the fp32 master (2x the bf16 bytes) and write the bf16 copy, at copy speed
-            bw = copy_gbps(device)
-            floor = 3 * resharder.bytes_received / 1e9 / bw
-
-        def reload() -> None:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True))
-            with torch.device("meta"):
-                fresh = NativeCausalLM(engine.model.config, tp)
-            fresh = fresh.to_empty(device=device).to(dtype)
-            fresh.load_weights(full.items())
-            NativeRollout(fresh, None, max_slots=args.slots, max_len=args.max_len)
-
-        rollout.release_memory()
-        baseline = timed(reload, device)
-        if rank == 0:
-            d, u = statistics.median(down), statistics.median(up)
-            print(f"  t={t}: train->gen {d * 1e3:8.1f} ms (reshard alone {reshard_only * 1e3:.1f} ms), "
-                  f"gen->train {u * 1e3:7.1f} ms; moved {resharder.bytes_from_peers / 2**30:.2f} GiB from peers "
-                  f"({resharder.bytes_received / 2**30:.2f} GiB into the rollout), {'all-to-all' if world > 1 else 'copy'} "
-                  f"{bw:.0f} GB/s, "
-                  f"floor {floor * 1e3:.1f} ms -> reshard {reshard_only / floor if floor else float('nan'):.1f}x floor; "
-                  f"reload baseline {baseline * 1e3:.0f} ms = {baseline / d:.0f}x the switch; "
-                  f"peak {peaks['train']:.1f} GiB train, {peak:.1f} GiB switch+gen", flush=True)
-        del rollout, resharder, rollout_model
+        measure(engine, TP(rank % t, t, groups[rank // t]), args, world, peaks["train"])
         if device == "cuda":
             torch.cuda.empty_cache()
     dist.destroy_process_group()

@@ -52,7 +52,7 @@ class RolloutConfig:
     stop_strings: list[str] = field(default_factory=list)  # eos always stops
     dtype: str = "float32"
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
-    free_cache: bool = False  # release the KV cache while training (native keeps its CUDA graphs if it returns in place)
+    free_cache: bool = False  # release the KV cache while training (native keeps its CUDA graphs if it returns)
 
 
 @dataclass
@@ -80,7 +80,7 @@ class ActorConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | ppo (a run label; ppo goes with advantage=gae)
+    name: str = "grpo"  # grpo | ppo (a run label; ppo goes with advantage=gae) | dpo | sft (set by `rlflow dpo/sft`)
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | gae (critic)
     gamma: float = 1.0
     lam: float = 1.0  # GAE lambda: 1 = Monte Carlo return minus the value, 0 = one-step TD
@@ -120,7 +120,7 @@ class DPOConfig:
 
 @dataclass
 class WarmstartConfig:
-    steps: int = -1  # supervised steps on the train answers before RL; 0 skips; -1: 1800 for embedded, else 0
+    steps: int = -1  # supervised steps on the train answers before RL/DPO; 0 skips; -1: 1800 for embedded, else 0
     lr: float = 1e-3
     batch_size: int = 32
 
@@ -244,8 +244,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"override '{item}' is not key=value")
         if raw.strip():  # `key=` (empty) keeps the configured value, as MLproject defaults rely on
             _set(cfg, key.strip(), yaml.safe_load(raw))
-    if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained
-        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if cfg.model.path == EMBEDDED else 0
+    if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained; SFT is the training itself
+        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if cfg.model.path == EMBEDDED and cfg.algorithm.name != "sft" \
+            else 0
     validate(cfg)
     return cfg
 
@@ -263,7 +264,7 @@ CHOICES = {
     "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
     "actor.kl_loss_type": {"k1", "k2", "k3", "abs"},
     "actor.policy_loss": {"ppo", "gspo", "cispo"},
-    "algorithm.name": {"grpo", "ppo", "dpo"},  # dpo: set by `rlflow dpo`
+    "algorithm.name": {"grpo", "ppo", "dpo", "sft"},  # dpo, sft: set by `rlflow dpo`, `rlflow sft`
     "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"},
     "algorithm.kl_penalty": {"k1", "k2", "k3", "abs"},
     "reward.on_error": {"zero", "raise"},
@@ -324,6 +325,9 @@ def validate(cfg: Config) -> None:
                           "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
     if set(p.own_pool) - {"reward", "reference", "critic"}:
         raise ConfigError(f"placement.own_pool takes reward, reference and/or critic, got {p.own_pool}")
+    if cfg.algorithm.name == "sft" and cfg.warmstart.steps:
+        raise ConfigError(f"warmstart.steps={cfg.warmstart.steps} with algorithm.name=sft: SFT is the supervised "
+                          "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
         raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
 

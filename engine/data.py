@@ -3,10 +3,11 @@
 A prompt row (parquet, jsonl or json) holds ``prompt`` (chat messages ``[{"role", "content"}]``, or a
 plain string taken as one user message), ``data_source``, ``reward_model.ground_truth`` and an
 optional ``extra_info`` dict. A preference row (``load_pairs``, for DPO) holds ``prompt``,
-``chosen``, ``rejected`` and an optional ``data_source``.
+``chosen``, ``rejected`` and an optional ``data_source``. A supervised row (``load_examples``, for SFT)
+holds ``prompt`` and ``response`` (a string), or is a prompt row whose ground truth is the response.
 
 Invariants:
-- a prompt (or a pair's answer) is never truncated: over its token budget is skipped and counted
+- a prompt (or an answer, or a response) is never truncated: over its token budget is skipped and counted
   (``overlong="skip"``) or an error naming the row (``overlong="error"``);
 - every row is either kept or counted under exactly one skip reason, so
   ``rows == kept + overlong + malformed``;
@@ -152,6 +153,16 @@ def load_prompts(files: list[str], tokenizer: Any, max_prompt_tokens: int,
     return _load(files, make, overlong, "prompt")
 
 
+def _answer(tokenizer: Any, text: str, key: str, max_response_tokens: int) -> list[int]:
+    """The response tokens of `text`, with eos; never truncated."""
+    if not text.strip():
+        raise _Skip(f"empty_{key}")
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    if len(ids) > max_response_tokens:
+        raise _Overlong(f"{key} is {len(ids)} tokens with eos, over max_response_tokens={max_response_tokens}")
+    return ids
+
+
 @dataclass
 class Pair:
     """One preference pair, ready for DPO: a prompt and two answers, the first preferred."""
@@ -168,26 +179,43 @@ def load_pairs(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_res
     """Rows with ``prompt`` (chat messages or a string), ``chosen`` and ``rejected`` (strings) and an
     optional ``data_source``, as Pairs; skips are counted like ``load_prompts``'s, and a pair whose
     answers are the same text is malformed (``same_answer``)."""
-    def answer(row: dict, key: str) -> list[int]:
-        text = _text(row.get(key), key)
-        if not text.strip():
-            raise _Skip(f"empty_{key}")
-        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        if len(ids) > max_response_tokens:
-            raise _Overlong(f"{key} is {len(ids)} tokens with eos, over max_response_tokens={max_response_tokens}")
-        return ids
-
     def make(row: dict) -> Pair:
         messages = _messages(row.get("prompt"))
         source = row.get("data_source")
         source = "preference" if source is None else _text(source, "data_source")
         if _text(row.get("chosen"), "chosen").strip() == _text(row.get("rejected"), "rejected").strip():
             raise _Skip("same_answer")
-        chosen, rejected = answer(row, "chosen"), answer(row, "rejected")
+        chosen, rejected = (_answer(tokenizer, _text(row.get(k), k), k, max_response_tokens)
+                            for k in ("chosen", "rejected"))
         ids, text = _prompt_ids(tokenizer, messages, max_prompt_tokens)
         return Pair(ids, chosen, rejected, source, text)
 
     return _load(files, make, overlong, "pair")
+
+
+Example = tuple[list[int], list[int]]  # ([P] templated prompt tokens, [R] response tokens ending in eos)
+
+
+def load_examples(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_response_tokens: int,
+                  overlong: str = "skip") -> tuple[list[Example], dict[str, int]]:
+    """Supervised examples: rows with ``prompt`` and ``response`` (a string), or prompt rows whose
+    ``reward_model.ground_truth`` is the response; eos is appended. Skips are counted like
+    ``load_prompts``'s."""
+    def make(row: dict) -> Example:
+        messages = _messages(row.get("prompt"))
+        if row.get("data_source") is not None:
+            _text(row["data_source"], "data_source")
+        text = row.get("response")
+        if text is None:  # a prompt row: its ground truth is the whole answer
+            reward_model = row.get("reward_model")
+            text = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+            if text is None:
+                raise _Skip("missing_response")
+            text = text if isinstance(text, (str, bytes)) else str(text)
+        response = _answer(tokenizer, _text(text, "response"), "response", max_response_tokens)
+        return _prompt_ids(tokenizer, messages, max_prompt_tokens)[0], response
+
+    return _load(files, make, overlong, "example")
 
 
 def pairs_batch(pairs: list[Pair], pad_id: int) -> Batch:

@@ -2,6 +2,7 @@
 
     rlflow train [CONFIG.yaml] [key=value ...]   run a config (no arguments: the embedded default)
     rlflow dpo [CONFIG.yaml] [key=value ...]     DPO on preference pairs (train with algorithm.name=dpo)
+    rlflow sft [CONFIG.yaml] [key=value ...]     supervised fine-tuning on prompt/response rows (algorithm.name=sft)
     rlflow config [CONFIG.yaml] [key=value ...]  print the resolved config as YAML
     rlflow export CHECKPOINT|OUTPUT_DIR DEST      write a checkpoint's policy as a HF directory
     rlflow data {gsm8k,math} SRC DST              convert GSM8K/MATH-style rows to rlflow rows
@@ -105,8 +106,7 @@ def git_commit() -> str:
 
 
 def train(cfg: Config) -> dict[str, str]:
-    from pipelines import dpo, grpo
-    from pipelines.sft import warm_start
+    from pipelines import dpo, grpo, sft
 
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_path, files = resolve_inputs(cfg)
@@ -122,12 +122,14 @@ def train(cfg: Config) -> dict[str, str]:
         tracker.log_dict(to_dict(cfg), "config.yaml")
         tracker.log_datasets(files)
         init_ray(cfg)
-        if cfg.algorithm.name == "dpo":  # preference pairs; its warm start learns their chosen answers
+        if cfg.algorithm.name == "sft":  # the supervised training is the run: no warm start before it
+            export = sft.train(cfg, model_path, files, tracker)
+        elif cfg.algorithm.name == "dpo":  # preference pairs; its warm start learns their chosen answers
             model_path = dpo.warm_start(cfg, model_path, files["train"], tracker) if cfg.warmstart.steps else model_path
             export = dpo.train(cfg, model_path, files, tracker)
         else:
             if cfg.warmstart.steps:
-                model_path = warm_start(cfg, model_path, files["train"], tracker)
+                model_path = sft.warm_start(cfg, model_path, files["train"], tracker)
             export = grpo.train(cfg, model_path, files, tracker)
         if cfg.trainer.register_model:
             version = tracker.register_model(str(export), cfg.trainer.register_model)
@@ -217,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("train", "run a config"), ("dpo", "DPO on preference pairs"),
+                       ("sft", "supervised fine-tuning on prompt/response rows"),
                        ("config", "print the resolved config")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        cfg = parse(ns.args, ("algorithm.name=dpo",) if ns.command == "dpo" else ())
+        cfg = parse(ns.args, (f"algorithm.name={ns.command}",) if ns.command in ("dpo", "sft") else ())
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2

@@ -39,36 +39,10 @@ from engine import checkpoint
 from engine.batch import Batch
 from engine.config import Config
 from engine.data import Pair, PromptLoader, load_pairs, pairs_batch
-from engine.placement import Pool
 from engine.tracking import Tracker
+from pipelines.driver import Stages, finish, make_runner, resume, save
 from pipelines.grpo import GET_TIMEOUT_S, check_health
 from pipelines.sft import supervised
-from stages.actor import ActorRollout
-from stages.reference import Reference
-from stages.worker import StageWorker
-
-
-class Stages:
-    """The policy (actor) and the frozen reference, colocated unless `placement.own_pool` has reference."""
-
-    def __init__(self, cfg: Config, model_path: str) -> None:
-        p = cfg.placement
-        device = "cuda" if p.gpus_per_worker else "cpu"
-        self.roles = {"actor": "hybrid", "reference": "reference" if "reference" in p.own_pool else "hybrid"}
-        self.pools = {name: Pool(name, StageWorker, p.workers, p.gpus_per_worker, p.torch_threads)
-                      for name in dict.fromkeys(self.roles.values())}
-        self.pools["hybrid"].add("actor", ActorRollout, lambda r: dict(cfg=cfg, model_path=model_path, rank=r,
-                                                                      world=p.workers, device=device))
-        self.pools[self.roles["reference"]].add("reference", Reference,
-                                                lambda r: dict(cfg=cfg, model_path=model_path, device=device))
-        self.workers = p.workers
-
-    def worker(self, role: str, rank: int) -> Any:
-        return self.pools[self.roles[role]].workers[rank]
-
-    def shutdown(self) -> None:
-        for pool in self.pools.values():
-            pool.shutdown()
 
 
 def step_graph(stages: Stages, inputs: list[Any], call: Callable, verb: str = "dpo_update") -> list[Any]:
@@ -78,20 +52,6 @@ def step_graph(stages: Stages, inputs: list[Any], call: Callable, verb: str = "d
         batch = call(stages.worker("reference", rank).run, "reference", "logprobs", batch)  # the frozen anchor
         outputs.append(call(stages.worker("actor", rank).run, "actor", verb, batch))  # DPO loss, optimizer steps
     return outputs
-
-
-def make_runner(cfg: Config, stages: Stages) -> tuple[Callable[[list[Batch]], list[dict]], Callable]:
-    """(run one step, release) for the configured execution mode."""
-    if cfg.trainer.dag == "plain":
-        submit = lambda method, *args: method.remote(*args)  # noqa: E731
-        return (lambda xs: ray.get(step_graph(stages, xs, submit), timeout=GET_TIMEOUT_S)), (lambda: None)
-    from ray.dag import InputNode, MultiOutputNode
-
-    bind = lambda method, *args: method.bind(*args)  # noqa: E731
-    with InputNode() as inp:
-        dag = MultiOutputNode(step_graph(stages, [inp[r] for r in range(stages.workers)], bind))
-    compiled = dag.experimental_compile(_submit_timeout=GET_TIMEOUT_S)
-    return (lambda xs: ray.get(compiled.execute(*xs), timeout=GET_TIMEOUT_S)), compiled.teardown
 
 
 def shard(pairs: list[Pair], workers: int, pad_id: int) -> list[Batch]:
@@ -115,24 +75,6 @@ def validate(stages: Stages, batches: list[Batch]) -> dict[str, float]:
     submit = lambda method, *args: method.remote(*args)  # noqa: E731
     results = ray.get(step_graph(stages, batches, submit, "dpo_eval"), timeout=GET_TIMEOUT_S)
     return {k: v for k, v in merge(results, "val").items() if not k.startswith("timing_s/")}
-
-
-def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
-    tmp = checkpoint.begin(root, step)
-    ray.get([stages.worker("actor", r).run.remote("actor", "save", str(tmp)) for r in range(stages.workers)])
-    return checkpoint.commit(root, tmp, step, {"step": step, "loader": loader.state_dict(), "run_id": run_id},
-                             keep)
-
-
-def resume(stages: Stages, ckpt: Path | None, loader: PromptLoader) -> int:
-    """Load `ckpt` (if any) into the actors and the loader; returns the step to continue from."""
-    if not ckpt:
-        return 0
-    ray.get([stages.worker("actor", r).run.remote("actor", "load", str(ckpt)) for r in range(stages.workers)])
-    state = checkpoint.read_driver_state(ckpt)
-    loader.load_state_dict(state["loader"])
-    print(f"resumed from {ckpt} at step {state['step']}")
-    return int(state["step"])
 
 
 def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Pair], dict[str, int], int]:
@@ -162,12 +104,12 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(train_pairs, cfg.data.prompts_per_step, t.seed)
     root = out / "checkpoints"
-    stages = Stages(cfg, model_path)
+    stages = Stages(cfg, model_path, reference=True)
     release: Callable = lambda: None  # noqa: E731
     try:
         last_ckpt = checkpoint.find_resume(root, t.resume)
         step = resume(stages, last_ckpt, loader)
-        run_step, release = make_runner(cfg, stages)
+        run_step, release = make_runner(cfg, stages, step_graph)
         while step < t.total_steps:
             if t.val_every and step % t.val_every == 0:  # before `begin`: not part of the step's time
                 tracker.log_metrics(validate(stages, val), step=step)
@@ -183,13 +125,7 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
                 print(f"dpo step {step}/{t.total_steps}: loss {metrics['dpo/loss']:.4f} "
                       f"margin {metrics['dpo/reward_margin']:.4f} accuracy {metrics['dpo/reward_accuracy']:.3f}")
         tracker.log_metrics(validate(stages, val), step=t.total_steps)
-        ckpt = save(stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
-        tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
-        export = out / "hf_model"
-        ray.get([stages.worker("actor", r).run.remote("actor", "export", str(export))  # collective
-                 for r in range(stages.workers)])
-        tracker.log_artifact(str(export), "hf_model")
-        return export
+        return finish(stages, root, t.total_steps, loader, tracker, t.keep_last)
     finally:
         release()
         stages.shutdown()

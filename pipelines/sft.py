@@ -1,15 +1,29 @@
-"""Supervised fine-tuning on prompt -> answer pairs; the embedded default's warm-start.
+"""Supervised fine-tuning from prompt -> response rows to gradients, on Ray, tracked in MLflow; also
+the warm start the other pipelines run before RL or DPO.
 
-The target response of a prompt row is its `reward_model.ground_truth` followed by EOS, which suits
-tasks whose ground truth is the whole answer (the embedded arithmetic task); DPO warm-starts on
-its pairs' chosen answers instead (`supervised`). The loss is
-next-token cross-entropy on response tokens only, through the same actor stage and training
-engine the RL pipeline uses. The result is an ordinary HF directory that RL starts from.
+Algorithm: minimise next-token cross-entropy on the response tokens only (the prompt is context),
+a mean over every response token of the step's examples. A row holds `prompt` and `response`
+(eos appended); a prompt row's `reward_model.ground_truth` serves as its response, which suits
+tasks whose ground truth is the whole answer (the embedded arithmetic task). Dropped: packing
+several examples into one training row across prompts, loss on prompt tokens, NEFTune noise.
+
+One step (`sft_step`), `data.prompts_per_step` examples split into equal contiguous shards:
+    examples -> actor.sft_update (one optimizer step, collective over the data-parallel ranks)
+compiled into a Ray compiled graph (`trainer.dag=compiled`) or run as `.remote()` calls (`plain`).
+`actor.mini_batch_prompts` and `actor.ppo_epochs` do not apply: one step is one optimizer step.
+Validation (`val/sft/loss`, the mean response-token NLL of `data.val_files`), checkpoints and
+logging stay in the driver, between executions.
+
+The warm start (`supervised`) runs the same step on one worker for `warmstart.steps` steps of
+`warmstart.batch_size` examples at a constant `warmstart.lr`, without validation or checkpoints.
 
 Invariants:
+- batches are drawn with generators seeded from `trainer.seed`: a `PromptLoader` (shuffled epochs,
+  so a resumed run draws the same batches), and for the warm start independent samples;
 - the warm-start directory appears only complete (written to a temp dir, then renamed), so a
-  resumed run reuses it instead of training it again;
-- batches are drawn with a generator seeded from `trainer.seed`.
+  resumed run reuses it instead of training it again.
+
+Run: `rlflow sft [conf/sft.yaml] [key=value ...]`.
 """
 
 from __future__ import annotations
@@ -17,53 +31,132 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import ray
 from transformers import AutoTokenizer
 
+from engine import checkpoint
 from engine.config import Config
-from engine.data import load_prompts
-from engine.placement import Pool
+from engine.data import Example, PromptLoader, load_examples
 from engine.tracking import Tracker
-from stages.actor import ActorRollout
-from stages.worker import StageWorker
+from pipelines.driver import Stages, finish, make_runner, resume, save
+from pipelines.grpo import GET_TIMEOUT_S, check_health
+
+
+def step_graph(stages: Stages, inputs: list[Any], call: Callable, verb: str = "sft_update") -> list[Any]:
+    """One call per rank; `call` binds (compiled DAG) or submits (plain). `verb`: sft_update or sft_eval."""
+    return [call(stages.worker("actor", rank).run, "actor", verb, shard) for rank, shard in enumerate(inputs)]
+
+
+def shard(examples: list[Example], workers: int) -> list[list[Example]]:
+    """Contiguous equal shards, one per rank."""
+    size = len(examples) // workers
+    return [examples[i * size:(i + 1) * size] for i in range(workers)]
+
+
+def sft_step(run_step: Callable[[list[Any]], list[dict]], examples: list[Example], workers: int) -> dict[str, float]:
+    """One optimizer step on `examples`: `sft/*` (the same on every rank after the all-reduce), its time
+    and tokens/s/GPU."""
+    begin = time.perf_counter()
+    metrics = run_step(shard(examples, workers))[0]
+    seconds = time.perf_counter() - begin
+    tokens = sum(len(p) + len(r) for p, r in examples)
+    return {**metrics, "timing_s/step": seconds, "perf/throughput": tokens / seconds / workers}
+
+
+def validate(stages: Stages, shards: list[list[Example]]) -> dict[str, float]:
+    """`val/sft/loss`: the mean response-token NLL over every rank's held-out examples."""
+    submit = lambda method, *args: method.remote(*args)  # noqa: E731
+    results = ray.get(step_graph(stages, shards, submit, "sft_eval"), timeout=GET_TIMEOUT_S)
+    return {"val/sft/loss": sum(r["nll"] for r in results) / sum(r["tokens"] for r in results)}
+
+
+def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Example], dict[str, int]]:
+    """The usable examples of `files` and skip counts; responses fit `rollout.max_new_tokens`."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return load_examples(files, tokenizer, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens,
+                         cfg.data.overlong_prompts)
+
+
+def sft_config(cfg: Config) -> Config:
+    # one optimizer step per step (so the lr schedule spans trainer.total_steps); SFT never
+    # generates: the shared-module hf engine costs nothing to build
+    return replace(cfg, actor=replace(cfg.actor, mini_batch_prompts=cfg.data.prompts_per_step, ppo_epochs=1),
+                   rollout=replace(cfg.rollout, backend="hf"))
+
+
+def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
+    """The SFT loop; returns the exported HF directory of the final policy."""
+    cfg = sft_config(cfg)
+    t, workers = cfg.trainer, cfg.placement.workers
+    examples, counts = load(cfg, model_path, files["train"])
+    val_examples = load(cfg, model_path, files["val"])[0][:cfg.data.val_max_prompts or None]
+    val = shard(val_examples, workers)  # equal shards: a remainder is left out
+    tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
+    loader = PromptLoader(examples, cfg.data.prompts_per_step, t.seed)
+    root = Path(t.output_dir) / "checkpoints"
+    stages = Stages(cfg, model_path, reference=False)
+    release: Callable = lambda: None  # noqa: E731
+    try:
+        last_ckpt = checkpoint.find_resume(root, t.resume)
+        step = resume(stages, last_ckpt, loader)
+        run_step, release = make_runner(cfg, stages, step_graph)
+        while step < t.total_steps:
+            if t.val_every and step % t.val_every == 0:  # before the step: not part of its time
+                tracker.log_metrics(validate(stages, val), step=step)
+            metrics = sft_step(run_step, loader.next_batch(), workers)
+            check_health(metrics, t.max_consecutive_skips, last_ckpt)
+            step += 1
+            tracker.log_metrics(metrics, step=step)
+            if t.save_every and step % t.save_every == 0 and step < t.total_steps:
+                last_ckpt = save(stages, root, step, loader, tracker.run_id, t.keep_last)
+            if t.progress and (step % 10 == 0 or step == t.total_steps):
+                print(f"sft step {step}/{t.total_steps}: loss {metrics['sft/loss']:.4f} "
+                      f"grad_norm {metrics['sft/grad_norm']:.3f} tok/s/gpu {metrics['perf/throughput']:.0f}")
+        tracker.log_metrics(validate(stages, val), step=t.total_steps)
+        return finish(stages, root, t.total_steps, loader, tracker, t.keep_last)
+    finally:
+        release()
+        stages.shutdown()
 
 
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
-    """Train `warmstart.steps` supervised steps from `model_path` on the prompt rows' ground-truth
-    answers; returns the new HF directory."""
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    prompts, _ = load_prompts(train_files, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
-    examples = [(p.ids, tokenizer.encode(p.ground_truth, add_special_tokens=False) + [tokenizer.eos_token_id])
-                for p in prompts]
-    return supervised(cfg, model_path, examples, tracker)
+    """`warmstart.steps` supervised steps from `model_path` on the training rows' responses (a
+    prompt row's ground truth); returns the new HF directory."""
+    return supervised(cfg, model_path, load(cfg, model_path, train_files)[0], tracker)
 
 
-def supervised(cfg: Config, model_path: str, examples: list[tuple[list[int], list[int]]], tracker: Tracker) -> str:
-    """`warmstart.steps` supervised steps on (prompt ids, response ids) examples; returns the HF
-    directory `<output_dir>/warmstart`, reused when it is already there."""
+def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: Tracker) -> str:
+    """`warmstart.steps` SFT steps on one worker; returns the HF directory `<output_dir>/warmstart`,
+    reused when it is already there. Logs `warmstart/{loss,grad_norm,lr}` every 10 steps."""
     w, target = cfg.warmstart, Path(cfg.trainer.output_dir) / "warmstart"
     if (target / "config.json").is_file():
         print(f"warm-start: reusing {target}")
         return str(target)
-    # warm start never generates: the shared-module hf engine costs nothing to build
-    sft_cfg = replace(cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant"),
-                      trainer=replace(cfg.trainer, total_steps=w.steps), rollout=replace(cfg.rollout, backend="hf"))
-    pool = Pool("warmstart", StageWorker, 1, cfg.placement.gpus_per_worker, cfg.placement.torch_threads)
+    ws_cfg = sft_config(replace(
+        cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant"),
+        data=replace(cfg.data, prompts_per_step=w.batch_size), placement=replace(cfg.placement, workers=1),
+        trainer=replace(cfg.trainer, total_steps=w.steps)))
+    rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them
+    stages = Stages(ws_cfg, model_path, reference=False)
+    release: Callable = lambda: None  # noqa: E731
     try:
-        device = "cuda" if cfg.placement.gpus_per_worker else "cpu"
-        pool.add("actor", ActorRollout, lambda r: dict(cfg=sft_cfg, model_path=model_path, device=device))
-        worker, rng = pool.workers[0], random.Random(cfg.trainer.seed)
+        run_step, release = make_runner(ws_cfg, stages, step_graph)
         for step in range(w.steps):
-            metrics = ray.get(worker.run.remote("actor", "sft_update", rng.sample(examples, w.batch_size)))
+            metrics = sft_step(run_step, rng.sample(examples, w.batch_size), 1)
             if step % 10 == 0 or step == w.steps - 1:
-                tracker.log_metrics({f"warmstart/{k.split('/')[-1]}": v for k, v in metrics.items()}, step=step)
+                tracker.log_metrics({f"warmstart/{k[4:]}": v for k, v in metrics.items() if k.startswith("sft/")},
+                                    step=step)
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        ray.get(worker.run.remote("actor", "export", str(tmp)))
+        stages.actors("export", str(tmp))
         os.replace(tmp, target)
     finally:
-        pool.shutdown()
+        release()
+        stages.shutdown()
     return str(target)

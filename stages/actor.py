@@ -1,6 +1,6 @@
 """The hybrid actor stage: one process that generates with the rollout engine and trains the policy.
 
-Verbs: `generate`, `logprobs`, `advantages`, `update`, `sft_update`, `dpo_update`, `dpo_eval`, `save`,
+Verbs: `generate`, `logprobs`, `advantages`, `update`, `sft_update`, `sft_eval`, `dpo_update`, `dpo_eval`, `save`,
 `load`, `export`.
 The trainer (FSDP2 shards) and the rollout engine (its own layout, on the same device) hold
 separate copies of the weights; after every update `engine.reshard` moves the trainer's into
@@ -236,11 +236,9 @@ class ActorRollout:
         return loss
 
     def sft_update(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
-        """One supervised step: next-token cross-entropy on the response tokens only."""
-        pids, pmask = left_pad([p for p, _ in pairs], self.tokenizer.pad_token_id)
-        batch = Batch(pids, pmask, 1, [], [], [],
-                      response_ids=right_pad([r for _, r in pairs], self.tokenizer.pad_token_id, torch.long),
-                      response_mask=right_pad([[1.0] * len(r) for _, r in pairs], 0.0, torch.float32))
+        """One supervised optimizer step: next-token cross-entropy on the response tokens only, a
+        mean over every rank's response tokens (the loss and optimizer numbers are all ranks')."""
+        batch = self._sft_batch(pairs)
         ids, attn, pos = batch.sequences()
         denom = all_reduce_sum(float(batch.response_mask.sum()))
 
@@ -254,7 +252,23 @@ class ActorRollout:
         chunks = micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)
         out = self.engine.step(lambda: [partial(loss, r) for r in chunks])
         self.sync_rollout()
-        return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"]}
+        return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
+                "actor/skipped_steps": self.engine.skipped_steps,
+                "actor/consecutive_skipped_steps": self.engine.consecutive_skips}
+
+    def sft_eval(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+        """This rank's summed response-token NLL and token count, without a gradient."""
+        batch = self._sft_batch(pairs)
+        ids, attn, pos = batch.sequences()
+        logp, _ = response_logprobs(self.engine.root, ids, attn, pos, batch.response_ids, 1.0,
+                                    self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
+        return {"nll": float(-(logp * batch.response_mask).sum()), "tokens": float(batch.response_mask.sum())}
+
+    def _sft_batch(self, pairs: list[tuple[list[int], list[int]]]) -> Batch:
+        pids, pmask = left_pad([p for p, _ in pairs], self.tokenizer.pad_token_id)
+        return Batch(pids, pmask, 1, [], [], [],
+                     response_ids=right_pad([r for _, r in pairs], self.tokenizer.pad_token_id, torch.long),
+                     response_mask=right_pad([[1.0] * len(r) for _, r in pairs], 0.0, torch.float32))
 
     # -- preference training -------------------------------------------------------------
     def dpo_update(self, batch: Batch) -> dict:

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import task
-from engine.data import Pair, Prompt, PromptLoader, embedded_files, load_pairs, load_prompts, pairs_batch
+from engine.data import Pair, Prompt, PromptLoader, embedded_files, load_examples, load_pairs, load_prompts, pairs_batch
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +189,25 @@ def test_pair_loader_counts_malformed_and_overlong_rows(tmp_path, tokenizer, cap
     assert pairs[1].data_source == "preference" and pairs[1].rejected == enc("5") + [eos]
     with pytest.raises(ValueError, match=r"row 7: prompt is 20 tokens.*pairs are never truncated"):
         load_pairs([str(tmp_path / "p.jsonl")], tokenizer, 8, 4, overlong="error")
+
+
+def test_sft_loader_takes_response_rows_and_ground_truth_rows(tmp_path, tokenizer, caplog) -> None:
+    sft = lambda **kw: {"prompt": "2+2=", "response": "4", **kw}  # noqa: E731
+    rows = [sft(), sft(prompt=[{"role": "user", "content": "5+"}, {"role": "user", "content": "6="}], response="11"),
+            row(truth=7), sft(response=None), sft(response="  "), sft(prompt=[]),
+            sft(data_source=1), sft(response="12345678"), sft(prompt="9" * 20)]
+    with caplog.at_level(logging.WARNING, logger="rlflow.data"):
+        examples, counts = load_examples([write_jsonl(tmp_path / "s.jsonl", rows)], tokenizer, 8, 4)
+    assert counts == {"rows": 9, "kept": 3, "overlong": 2, "malformed": 4, "malformed/missing_response": 1,
+                      "malformed/empty_response": 1, "malformed/empty_prompt": 1, "malformed/data_source": 1}
+    check_counts(counts)
+    assert "skipped 6 of 9 example rows" in caplog.text
+    eos = tokenizer.eos_token_id
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    assert examples == [(enc("2+2="), enc("4") + [eos]), (enc("5+6="), enc("11") + [eos]),
+                        (enc("1+2="), enc("7") + [eos])]  # the ground truth 7 (an int) as the response
+    with pytest.raises(ValueError, match=r"row 7: response is 9 tokens.*examples are never truncated"):
+        load_examples([str(tmp_path / "s.jsonl")], tokenizer, 8, 4, overlong="error")
 
 
 def test_pairs_batch_keeps_each_pair_together(tokenizer) -> None:

@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
-from engine.native_model import Cut, NativeCausalLM, TP
+from engine.native_model import TP, Cut, NativeCausalLM
 from engine.reshard import Resharder, blocks_for, owned_rows
 
 

@@ -92,8 +92,15 @@ def test_sft_update_lowers_the_loss(model_dir):
     actor = ActorRollout(cfg, str(model_dir))
     tok = actor.tokenizer
     pairs = [(tok.encode(f"{a}+{a}="), tok.encode(str(2 * a)) + [tok.eos_token_id]) for a in range(16)]
-    losses = [actor.sft_update(pairs)["sft/loss"] for _ in range(20)]
+    evals, losses = [], []
+    for _ in range(20):
+        ev = actor.sft_eval(pairs)
+        evals.append(ev["nll"] / ev["tokens"])
+        losses.append(actor.sft_update(pairs)["sft/loss"])
     assert losses[-1] < losses[0] * 0.7
+    assert ev["tokens"] == sum(len(r) for _, r in pairs)
+    # the held-out loss is the training loss of the same weights, without the step
+    assert evals == pytest.approx(losses, rel=1e-5)
 
 
 def test_export_loads_with_transformers(model_dir, tmp_path):
