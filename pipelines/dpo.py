@@ -35,13 +35,12 @@ from typing import Any
 import ray
 from transformers import AutoTokenizer
 
-from engine import checkpoint
 from engine.batch import Batch
 from engine.config import Config
 from engine.data import Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
-from pipelines.driver import Stages, finish, make_runner, resume, save
-from pipelines.grpo import GET_TIMEOUT_S, check_health
+from pipelines.driver import Stages, run
+from pipelines.grpo import GET_TIMEOUT_S
 from pipelines.sft import supervised
 
 
@@ -93,9 +92,9 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
     """The DPO loop; returns the exported HF directory of the final policy."""
-    t, out, workers = cfg.trainer, Path(cfg.trainer.output_dir), cfg.placement.workers
-    # DPO never generates: the shared-module hf engine costs nothing (no KV cache, no vLLM), and the
-    # reference scores at temperature 1, the models' own distributions
+    t, workers = cfg.trainer, cfg.placement.workers
+    # DPO never generates: the hf engine is the cheapest to keep (a plain copy: no KV cache, no vLLM),
+    # and the reference scores at temperature 1, the models' own distributions
     cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0, backend="hf"))
     train_pairs, counts, pad_id = load(cfg, model_path, files["train"])
     val_pairs, _, _ = load(cfg, model_path, files["val"])
@@ -103,29 +102,14 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     val = shard(val_pairs[:len(val_pairs) // workers * workers], workers, pad_id)
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(train_pairs, cfg.data.prompts_per_step, t.seed)
-    root = out / "checkpoints"
+
+    def step(run_step: Callable, pairs: list[Pair]) -> dict[str, float]:
+        begin = time.perf_counter()
+        metrics = merge(run_step(shard(pairs, workers, pad_id)), "dpo")
+        metrics["timing_s/step"] = time.perf_counter() - begin
+        return metrics
+
     stages = Stages(cfg, model_path, reference=True)
-    release: Callable = lambda: None  # noqa: E731
-    try:
-        last_ckpt = checkpoint.find_resume(root, t.resume)
-        step = resume(stages, last_ckpt, loader)
-        run_step, release = make_runner(cfg, stages, step_graph)
-        while step < t.total_steps:
-            if t.val_every and step % t.val_every == 0:  # before `begin`: not part of the step's time
-                tracker.log_metrics(validate(stages, val), step=step)
-            begin = time.perf_counter()
-            metrics = merge(run_step(shard(loader.next_batch(), workers, pad_id)), "dpo")
-            metrics["timing_s/step"] = time.perf_counter() - begin
-            check_health(metrics, t.max_consecutive_skips, last_ckpt)
-            step += 1
-            tracker.log_metrics(metrics, step=step)
-            if t.save_every and step % t.save_every == 0 and step < t.total_steps:
-                last_ckpt = save(stages, root, step, loader, tracker.run_id, t.keep_last)
-            if t.progress and (step % 10 == 0 or step == t.total_steps):
-                print(f"dpo step {step}/{t.total_steps}: loss {metrics['dpo/loss']:.4f} "
-                      f"margin {metrics['dpo/reward_margin']:.4f} accuracy {metrics['dpo/reward_accuracy']:.3f}")
-        tracker.log_metrics(validate(stages, val), step=t.total_steps)
-        return finish(stages, root, t.total_steps, loader, tracker, t.keep_last)
-    finally:
-        release()
-        stages.shutdown()
+    return run(cfg, stages, step_graph, loader, tracker, step, lambda: validate(stages, val),
+               lambda m: f"loss {m['dpo/loss']:.4f} margin {m['dpo/reward_margin']:.4f} "
+                         f"accuracy {m['dpo/reward_accuracy']:.3f}")

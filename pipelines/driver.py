@@ -1,5 +1,5 @@
-"""Driver pieces of the pipelines that train on fixed data (DPO, SFT): the worker pools, the step
-runner (a Ray compiled graph or plain `.remote()` calls), checkpoints and the final export.
+"""Driver of the pipelines that train on fixed data (DPO, SFT): the worker pools, the step runner
+(a Ray compiled graph or plain `.remote()` calls), the step loop, checkpoints and the final export.
 
 Invariants:
 - the actor's `save`, `load` and `export` are collective: every rank is called, together;
@@ -100,3 +100,35 @@ def finish(stages: Stages, root: Path, step: int, loader: PromptLoader, tracker:
     stages.actors("export", str(export))
     tracker.log_artifact(str(export), "hf_model")
     return export
+
+
+def run(cfg: Config, stages: Stages, graph: Graph, loader: PromptLoader, tracker: Tracker,
+        step: Callable[[Callable, list], dict[str, float]], validate: Callable[[], dict[str, float]],
+        progress: Callable[[dict[str, float]], str]) -> Path:
+    """The loop: resume, then `step(run_step, next batch)` until trainer.total_steps, validating
+    every trainer.val_every steps (outside the step's time), checkpointing every save_every; ends
+    with a validation, the final checkpoint and the export, which it returns."""
+    t, root = cfg.trainer, Path(cfg.trainer.output_dir) / "checkpoints"
+    from pipelines.grpo import check_health
+
+    release: Callable = lambda: None  # noqa: E731
+    try:
+        last_ckpt = checkpoint.find_resume(root, t.resume)
+        done = resume(stages, last_ckpt, loader)
+        run_step, release = make_runner(cfg, stages, graph)
+        while done < t.total_steps:
+            if t.val_every and done % t.val_every == 0:
+                tracker.log_metrics(validate(), step=done)
+            metrics = step(run_step, loader.next_batch())
+            check_health(metrics, t.max_consecutive_skips, last_ckpt)
+            done += 1
+            tracker.log_metrics(metrics, step=done)
+            if t.save_every and done % t.save_every == 0 and done < t.total_steps:
+                last_ckpt = save(stages, root, done, loader, tracker.run_id, t.keep_last)
+            if t.progress and (done % 10 == 0 or done == t.total_steps):
+                print(f"{cfg.algorithm.name} step {done}/{t.total_steps}: {progress(metrics)}")
+        tracker.log_metrics(validate(), step=t.total_steps)
+        return finish(stages, root, t.total_steps, loader, tracker, t.keep_last)
+    finally:
+        release()
+        stages.shutdown()

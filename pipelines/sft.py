@@ -40,12 +40,11 @@ from typing import Any
 import ray
 from transformers import AutoTokenizer
 
-from engine import checkpoint
 from engine.config import Config
 from engine.data import Example, PromptLoader, load_examples
 from engine.tracking import Tracker
-from pipelines.driver import Stages, finish, make_runner, resume, save
-from pipelines.grpo import GET_TIMEOUT_S, check_health
+from pipelines.driver import Stages, make_runner, run
+from pipelines.grpo import GET_TIMEOUT_S
 
 
 def step_graph(stages: Stages, inputs: list[Any], call: Callable, verb: str = "sft_update") -> list[Any]:
@@ -85,7 +84,7 @@ def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Example],
 
 def sft_config(cfg: Config) -> Config:
     # one optimizer step per step (so the lr schedule spans trainer.total_steps); SFT never
-    # generates: the shared-module hf engine costs nothing to build
+    # generates: the hf engine is the cheapest to keep (a plain copy: no KV cache, no vLLM)
     return replace(cfg, actor=replace(cfg.actor, mini_batch_prompts=cfg.data.prompts_per_step, ppo_epochs=1),
                    rollout=replace(cfg.rollout, backend="hf"))
 
@@ -99,30 +98,10 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     val = shard(val_examples, workers)  # equal shards: a remainder is left out
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(examples, cfg.data.prompts_per_step, t.seed)
-    root = Path(t.output_dir) / "checkpoints"
     stages = Stages(cfg, model_path, reference=False)
-    release: Callable = lambda: None  # noqa: E731
-    try:
-        last_ckpt = checkpoint.find_resume(root, t.resume)
-        step = resume(stages, last_ckpt, loader)
-        run_step, release = make_runner(cfg, stages, step_graph)
-        while step < t.total_steps:
-            if t.val_every and step % t.val_every == 0:  # before the step: not part of its time
-                tracker.log_metrics(validate(stages, val), step=step)
-            metrics = sft_step(run_step, loader.next_batch(), workers)
-            check_health(metrics, t.max_consecutive_skips, last_ckpt)
-            step += 1
-            tracker.log_metrics(metrics, step=step)
-            if t.save_every and step % t.save_every == 0 and step < t.total_steps:
-                last_ckpt = save(stages, root, step, loader, tracker.run_id, t.keep_last)
-            if t.progress and (step % 10 == 0 or step == t.total_steps):
-                print(f"sft step {step}/{t.total_steps}: loss {metrics['sft/loss']:.4f} "
-                      f"grad_norm {metrics['sft/grad_norm']:.3f} tok/s/gpu {metrics['perf/throughput']:.0f}")
-        tracker.log_metrics(validate(stages, val), step=t.total_steps)
-        return finish(stages, root, t.total_steps, loader, tracker, t.keep_last)
-    finally:
-        release()
-        stages.shutdown()
+    return run(cfg, stages, step_graph, loader, tracker, lambda run_step, batch: sft_step(run_step, batch, workers),
+               lambda: validate(stages, val), lambda m: f"loss {m['sft/loss']:.4f} grad_norm "
+               f"{m['sft/grad_norm']:.3f} tok/s/gpu {m['perf/throughput']:.0f}")
 
 
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
