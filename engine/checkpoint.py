@@ -11,7 +11,8 @@ Invariants:
   there; `COMPLETE` (listing each file's size) is written last, inside the temp dir;
 - `latest` is replaced atomically and only ever names a directory that has `COMPLETE`;
 - loading never executes pickled code: safetensors for weights, torch distributed checkpoint
-  for optimizer shards, `torch.load(weights_only=True)` for RNG state, JSON for the driver's state;
+  for optimizer shards (`load_shards`: its non-tensor entries unpickled as plain data only),
+  `torch.load(weights_only=True)` for RNG state, JSON for the driver's state;
 - a partial or corrupt checkpoint is skipped with a warning naming what is wrong.
 """
 
@@ -22,6 +23,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("rlflow.checkpoint")
 
@@ -98,3 +100,25 @@ def find_resume(root: Path, resume: str) -> Path | None:
 
 def read_driver_state(path: Path) -> dict:
     return json.loads((path / "driver.json").read_text())
+
+
+def load_shards(state: dict, path: Path) -> None:
+    """Fill `state` in place from the torch distributed checkpoint at `path` (every rank calls).
+
+    DCP's default planner unpickles non-tensor entries (param groups, schedule, counters) with
+    `weights_only=False`; here each is first read with `weights_only=True`, so a checkpoint cannot
+    make loading run code."""
+    import io
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class PlainData(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            checked = io.BytesIO()
+            torch.save(torch.load(value, weights_only=True), checked)  # raises on anything but plain data
+            checked.seek(0)
+            super().load_bytes(read_item, checked)
+
+    dcp.load(state, checkpoint_id=path, planner=PlainData())

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from engine import algos
+from engine import algos, checkpoint
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
 from engine.reshard import weight_sync
@@ -355,7 +355,7 @@ class ActorRollout:
         d = Path(directory)
         self.engine.load_full_state_dict(load_file(d / "model.safetensors"))
         state = self.engine.state_dict()
-        dcp.load(state, checkpoint_id=d / "trainer")
+        checkpoint.load_shards(state, d / "trainer")
         self.engine.load_state_dict(state)
         own = d / f"worker_{self.rank}.pt"
         if own.exists():  # a checkpoint from fewer ranks has no RNG state for this one

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForTokenClassification
 
-from engine import algos
+from engine import algos, checkpoint
 from engine.batch import Batch
 from engine.config import Config
 from engine.train import TrainEngine, all_reduce_sum, in_step, micro_batches, response_hidden
@@ -147,5 +147,5 @@ class Critic:
         d = Path(directory)
         self.engine.load_full_state_dict(load_file(d / "critic.safetensors"))
         state = self.engine.state_dict()
-        dcp.load(state, checkpoint_id=d / "critic_trainer")
+        checkpoint.load_shards(state, d / "critic_trainer")
         self.engine.load_state_dict(state)

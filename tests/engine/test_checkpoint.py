@@ -1,4 +1,6 @@
 
+import pytest
+
 from engine import checkpoint
 
 
@@ -44,3 +46,26 @@ def test_resume_never_and_explicit(tmp_path):
         assert "unreadable" in str(e)
     else:
         raise AssertionError("a corrupt explicit checkpoint must fail")
+
+
+class Payload:
+    """An object a malicious checkpoint could carry: unpickling it would run code."""
+
+    def __reduce__(self):
+        return (print, ("unpickled",))
+
+
+def test_optimizer_shards_load_plain_data_only(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from engine.checkpoint import load_shards
+
+    dcp.save({"w": torch.ones(3), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}, checkpoint_id=tmp_path / "ok")
+    state = {"w": torch.zeros(3), "groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}  # the structure it was saved with
+    load_shards(state, tmp_path / "ok")
+    assert torch.equal(state["w"], torch.ones(3)) and state["groups"] == [{"lr": 0.1, "betas": (0.9, 0.99)}]
+    dcp.save({"w": torch.ones(3), "evil": Payload()}, checkpoint_id=tmp_path / "evil")
+    with pytest.raises(dcp.api.CheckpointException) as failed:  # DCP wraps each rank's error
+        load_shards({"w": torch.zeros(3), "evil": None}, tmp_path / "evil")
+    assert "Weights only load failed" in repr(failed.value.failures)
