@@ -93,6 +93,7 @@ class Resharder:
             dist.all_gather_object(needs, mine)
         self.zeros = [v[0] for v in mine.values() if v and v[1].zero]  # filled here, nothing sent
         self.buckets = self._plan(needs, bucket_bytes)
+        self.moves = [self._arrange(bucket) for bucket in self.buckets]  # per switch, only the copies and collectives
         mine_in = [b for bucket in self.buckets for b in bucket if b.dst == self.rank]
         self.bytes_received = sum(b.numel(self.source[b.name].shape) for b in mine_in) * self.dtype.itemsize
         self.bytes_from_peers = sum(b.numel(self.source[b.name].shape) for b in mine_in
@@ -121,13 +122,18 @@ class Resharder:
         """Every rank, together: the rollout's weights become the trainer's."""
         for target in self.zeros:
             self.target[target].zero_()
-        for bucket in self.buckets:
-            self._move(bucket)
+        for move in self.moves:
+            self._move(*move)
 
-    def _move(self, bucket: list[Block]) -> None:
+    def _arrange(self, bucket: list[Block]) -> tuple[list[Block], list[Block], list[int], list[int]]:
+        """This rank's part of a bucket: the blocks it sends (by destination) and receives (by
+        source), in plan order within each rank, and the element counts per peer."""
         out = sorted((b for b in bucket if b.src == self.rank), key=lambda b: b.dst)  # stable: plan order
         inc = sorted((b for b in bucket if b.dst == self.rank), key=lambda b: b.src)
-        send = torch.empty(sum(b.numel(self.source[b.name].shape) for b in out), dtype=self.dtype, device=self.device)
+        return out, inc, self._splits(out, "dst"), self._splits(inc, "src")
+
+    def _move(self, out: list[Block], inc: list[Block], out_splits: list[int], in_splits: list[int]) -> None:
+        send = torch.empty(sum(out_splits), dtype=self.dtype, device=self.device)
         at = 0
         for b in out:
             piece = self._local_rows(b)
@@ -136,9 +142,8 @@ class Resharder:
             at += n
         recv = send
         if self.dist:
-            recv = torch.empty(sum(b.numel(self.source[b.name].shape) for b in inc), dtype=self.dtype,
-                               device=self.device)
-            dist.all_to_all_single(recv, send, self._splits(inc, "src"), self._splits(out, "dst"))
+            recv = torch.empty(sum(in_splits), dtype=self.dtype, device=self.device)
+            dist.all_to_all_single(recv, send, in_splits, out_splits)
         at = 0
         for b in inc:
             dst = self.target[b.target]
