@@ -53,11 +53,14 @@ def model_dir(shape: str, cache: Path) -> Path:
     tok = build_tokenizer()
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 7B random init on CPU takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, path)
+    del model
+    torch.cuda.empty_cache()
     return path
 
 
@@ -189,8 +192,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
         print(f"  trainer built and stepped in {time.perf_counter() - start:.0f} s", flush=True)
     peaks = {"train": peak_gb(device)}
     for t in args.tp:
-        groups = [dist.new_group(list(range(g, g + t))) for g in range(0, world, t)]  # every rank makes every group
-        measure(engine, TP(rank % t, t, groups[rank // t]), args, world, peaks["train"])
+        measure(engine, TP.over_world(t), args, world, peaks["train"])
         if device == "cuda":
             torch.cuda.empty_cache()
     dist.destroy_process_group()

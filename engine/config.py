@@ -53,6 +53,7 @@ class RolloutConfig:
     dtype: str = "float32"
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
     free_cache: bool = False  # release the KV cache while training (native keeps its CUDA graphs if it returns)
+    tp: int = 1  # native: tensor-parallel size of generation; groups of tp consecutive workers share their prompts
 
 
 @dataclass
@@ -312,6 +313,8 @@ def validate(cfg: Config) -> None:
                           "logprobs would not match training logprobs")
     if not 0 < r.top_p <= 1 or r.temperature < 0 or r.top_k < 0:
         raise ConfigError("rollout needs 0 < top_p <= 1, temperature >= 0, top_k >= 0")
+    if r.tp < 1 or p.workers % r.tp or (r.tp > 1 and r.backend != "native"):
+        raise ConfigError(f"rollout.tp={r.tp} needs the native backend and must divide placement.workers={p.workers}")
     if not 0 < r.kv_cache_memory <= 1:
         raise ConfigError(f"rollout.kv_cache_memory must be in (0, 1], got {r.kv_cache_memory}")
     if a.dual_clip and (a.dual_clip <= 1 or a.policy_loss == "cispo"):

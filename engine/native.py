@@ -14,6 +14,9 @@ Invariants (those of engine/rollout.py, plus):
   free memory, and `max_slots` shrinks to what fits;
 - a call's randomness comes only from a torch.Generator seeded with `params.seed`, and the step
   schedule is deterministic, so the same seed gives the same samples;
+- with tensor parallelism (`model.tp`), every rank of the TP group must call `generate` with the
+  same prompts and params: logits are identical on every rank (the all-reduce's result is), so
+  sampling and scheduling stay in lockstep, and `max_slots` is agreed on (the minimum);
 - `release_memory` drops the KV cache tensors (and the graphs that point into them); `generate`
   refuses to run until `resume_memory`.
 
@@ -104,6 +107,10 @@ class NativeRollout:
         if memory_fraction > 0 and self.device.type == "cuda":
             per_slot = 2 * cfg.num_hidden_layers * self.model.kv_heads * max_len * head_dim(cfg) * weight.itemsize
             max_slots = min(max_slots, int(torch.cuda.mem_get_info(self.device)[0] * memory_fraction) // per_slot)
+            if self.model.tp.size > 1:  # TP ranks schedule in lockstep: the same slots on every one
+                agreed = torch.tensor([max_slots], device=self.device)
+                torch.distributed.all_reduce(agreed, torch.distributed.ReduceOp.MIN, group=self.model.tp.group)
+                max_slots = int(agreed.item())
             if max_slots < 1:
                 raise ValueError(f"memory_fraction {memory_fraction} leaves no room for one {max_len}-token slot")
         self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens

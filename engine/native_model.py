@@ -40,6 +40,16 @@ class TP:
     size: int = 1
     group: Any = None  # a torch.distributed group; None = the default group
 
+    @classmethod
+    def over_world(cls, size: int) -> TP:
+        """This rank's place when the default group splits into TP groups of `size` consecutive
+        ranks; collective: every rank makes every group, in the same order."""
+        if size == 1:
+            return cls()
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        groups = [torch.distributed.new_group(list(range(g, g + size))) for g in range(0, world, size)]
+        return cls(rank % size, size, groups[rank // size])
+
 
 @dataclass(frozen=True)
 class Cut:

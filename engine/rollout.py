@@ -147,11 +147,12 @@ class HFRollout:
 
 
 def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, device: str, max_len: int,
-                  max_slots: int, kv_cache_memory: float) -> RolloutEngine:
+                  max_slots: int, kv_cache_memory: float, tp: Any = None) -> RolloutEngine:
     """A rollout engine with its own copy of the model in `model_dir`, in `dtype` on `device`,
     kept in sync with the trainer through `load_weights` (or, for native, engine/reshard.py),
     running up to `max_slots` sequences at once (native: fewer if its KV cache would overflow
-    `kv_cache_memory`, a fraction of free GPU memory)."""
+    `kv_cache_memory`, a fraction of free GPU memory). Native only: `tp` (an
+    `engine.native_model.TP`) holds this rank's tensor-parallel piece."""
     torch_dtype = getattr(torch, dtype)
     if backend == "hf":
         from transformers import AutoModelForCausalLM
@@ -162,7 +163,8 @@ def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, devi
         from engine.native import NativeRollout
         from engine.native_model import NativeCausalLM
 
-        return NativeRollout(NativeCausalLM.from_pretrained(model_dir, torch_dtype, device), tokenizer,
+        model = NativeCausalLM.from_pretrained(model_dir, torch_dtype, device, **({"tp": tp} if tp else {}))
+        return NativeRollout(model, tokenizer,
                              max_slots=max_slots, max_len=max_len, memory_fraction=kv_cache_memory)
     if backend == "vllm":
         from engine.vllm_rollout import VLLMRollout

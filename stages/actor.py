@@ -5,7 +5,9 @@ Verbs: `generate`, `logprobs`, `advantages`, `update`, `sft_update`, `sft_eval`,
 The trainer (FSDP2 shards) and the rollout engine (its own layout, on the same device) hold
 separate copies of the weights; after every update `engine.reshard` moves the trainer's into
 the rollout's in place. Every verb but `generate` and `advantages` is collective: every rank of
-the pool calls it together.
+the pool calls it together. With `rollout.tp` > 1, `generate` is collective within each group of
+tp consecutive ranks: the group generates all its ranks' prompts together, tensor parallel, and
+each rank keeps its own.
 
 Invariants:
 - sampling is seeded from (trainer.seed, step, rank): a resumed step draws the same samples;
@@ -35,6 +37,7 @@ from transformers import AutoTokenizer
 from engine import algos, checkpoint
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
+from engine.native_model import TP
 from engine.reshard import weight_sync
 from engine.rollout import SamplingParams, build_rollout, left_pad
 from engine.train import TrainEngine, all_reduce_sum, forward_logprobs, micro_batches, response_logprobs
@@ -59,9 +62,11 @@ class ActorRollout:
                                   rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing)
         r = cfg.rollout
+        self.tp = TP.over_world(r.tp)  # a TP group generates the prompts of all its ranks at once
         self.rollout = build_rollout(r.backend, self.tokenizer, model_path, r.dtype, device,
                                      cfg.data.max_prompt_tokens + r.max_new_tokens,
-                                     -(-cfg.data.prompts_per_step * r.samples_per_prompt // world), r.kv_cache_memory)
+                                     -(-cfg.data.prompts_per_step * r.samples_per_prompt // world) * r.tp,
+                                     r.kv_cache_memory, self.tp if r.tp > 1 else None)
         self.sync_rollout = weight_sync(self.engine.model, self.rollout)  # collective: every rank calls it
         alg = cfg.algorithm
         self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -75,12 +80,13 @@ class ActorRollout:
         params = SamplingParams(
             temperature=0.0 if request.greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
             n=1 if request.greedy else request.samples or r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
-            stop_strings=r.stop_strings, seed=hash((self.cfg.trainer.seed, request.step, self.rank)) % 2**31)
-        groups = self.rollout.generate([p.ids for p in request.prompts], params)
+            stop_strings=r.stop_strings, seed=hash((self.cfg.trainer.seed, request.step, self.rank // r.tp)) % 2**31)
+        prompts, mine = self._tp_prompts([p.ids for p in request.prompts])
+        groups = self.rollout.generate(prompts, params)[mine]
         baseline = []
         if self.cfg.algorithm.advantage == "remax" and not (request.greedy or request.samples):
             # ReMax's baseline: one greedy answer per training prompt, scored by the reward stage.
-            greedy = self.rollout.generate([p.ids for p in request.prompts], replace(params, temperature=0.0, n=1))
+            greedy = self.rollout.generate(prompts, replace(params, temperature=0.0, n=1))[mine]
             baseline = self.tokenizer.batch_decode([g[0].token_ids for g in greedy], skip_special_tokens=True)
         completions = [c for group in groups for c in group]
         n = params.n
@@ -102,6 +108,16 @@ class ActorRollout:
         batch.timing["gen"] = time.perf_counter() - start
         peak_memory("gen", batch.metrics)
         return batch
+
+    def _tp_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
+        """(the prompts of every rank in this TP group, in rank order; where this rank's sit):
+        tensor-parallel ranks must generate the same batch together (collective in the group)."""
+        if self.tp.size == 1:
+            return prompts, slice(None)
+        every: list[list[list[int]]] = [[] for _ in range(self.tp.size)]
+        torch.distributed.all_gather_object(every, prompts, group=self.tp.group)
+        start = sum(len(x) for x in every[:self.tp.rank])
+        return [p for x in every for p in x], slice(start, start + len(prompts))
 
     def _to_generation(self) -> None:
         """Give generation the memory training holds only between updates (per config)."""

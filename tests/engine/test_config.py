@@ -41,6 +41,8 @@ def test_unknown_key_in_yaml(tmp_path):
     ("placement.workers=3", "does not split"),
     ("actor.micro_batch_tokens_per_gpu=10", "cannot hold one"),
     ("rollout.dtype=bfloat16", "differs from model.dtype"),
+    ("rollout.tp=2", "must divide placement.workers=1"),
+    (["placement.workers=2", "rollout.tp=2", "rollout.backend=hf"], "needs the native backend"),
     ("rollout.backend=nope", "choose one of"),
     ("actor.lr=abc", "must be float"),
     ("trainer.total_steps=0", "must be > 0"),

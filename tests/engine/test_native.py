@@ -122,25 +122,34 @@ def test_chunked_prefill_of_long_prompts_matches_whole(model_dir, tok):
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
 
 
-def _tp_worker(rank: int, port: int, model_dir: str, out: str) -> None:
+def _tp_worker(rank: int, port: int, model_dir: str, out: str, device: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
     from engine.native_model import TP
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=2)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    engine = NativeRollout(NativeCausalLM.from_pretrained(model_dir, tp=TP(rank, 2)), tok, max_slots=4, max_len=64)
+    model = NativeCausalLM.from_pretrained(model_dir, tp=TP(rank, 2), device=device)
+    # on CUDA: decode replays graphs that hold the all-reduce, and the ranks agree on the slots
+    engine = NativeRollout(model, tok, max_slots=4, max_len=64, memory_fraction=0.5 if device == "cuda" else 0.0)
     prompts = [tok.encode(t) for t in TEXTS[:5]]
     greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
     sampled = engine.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, seed=1))
-    torch.save({"greedy": greedy, "sampled": sampled}, f"{out}.{rank}")
+    torch.save({"greedy": greedy, "sampled": sampled, "graphs": bool(engine.graphs)}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
-def test_tensor_parallel_generation_matches_one_process(model_dir, tok, tmp_path):
-    """Two gloo ranks each hold half the heads and half the MLP; they must agree with each other
-    and with the unsplit model (fp32: tokens equal, logprobs to float noise)."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")])])
+def test_tensor_parallel_generation_matches_one_process(model_dir, tok, tmp_path, device):
+    """Two ranks (gloo on CPU; NCCL and CUDA graphs on 2 GPUs) each hold half the heads and half
+    the MLP; they must agree with each other and with the unsplit model (fp32: tokens equal,
+    logprobs to float noise)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -148,9 +157,10 @@ def test_tensor_parallel_generation_matches_one_process(model_dir, tok, tmp_path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_tp_worker, args=(port, str(model_dir), str(tmp_path / "out")), nprocs=2)
+    mp.spawn(_tp_worker, args=(port, str(model_dir), str(tmp_path / "out"), device), nprocs=2)
     ranks = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(2)]
-    engine = NativeRollout(model_dir, tok, max_slots=4, max_len=64)
+    assert all(r["graphs"] for r in ranks) == (device == "cuda")
+    engine = NativeRollout(model_dir, tok, max_slots=4, max_len=64, device=device, cuda_graphs=False)
     prompts = [tok.encode(t) for t in TEXTS[:5]]
     want = {"greedy": engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10)),
             "sampled": engine.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, seed=1))}

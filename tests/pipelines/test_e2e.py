@@ -206,6 +206,16 @@ def test_checkpoint_from_two_workers_resumes_on_one(tmp_path):
     assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2, 3]
 
 
+def test_tensor_parallel_generation_agrees_with_the_trainer(tmp_path):
+    # two ranks generate as one TP group of 2: each update is resharded into the TP layout, and the
+    # trainer's probabilities of what the group sampled must be the engine's own
+    rlflow(tmp_path, "out", "placement.workers=2", "rollout.tp=2", "trainer.total_steps=2", "trainer.val_every=0")
+    client, run = only_run(tmp_path)
+    diff = history(client, run.info.run_id)["training/rollout_probs_diff_max"]
+    assert [step for step, _ in diff] == [1, 2]
+    assert max(v for _, v in diff) < 1e-5, diff
+
+
 def test_mlflow_run_makes_exactly_one_run(tmp_path):
     overrides = (f"trainer.output_dir={tmp_path}/out data.prompts_per_step=8 data.val_max_prompts=16 "
                  "actor.mini_batch_prompts=4 rollout.max_new_tokens=4 warmstart.steps=2 trainer.progress=false")
