@@ -277,7 +277,9 @@ class TrainEngine:
             self.optimizer, lr_lambda(warmup_steps, total_steps, schedule))
         self.skipped_steps = 0
         self.consecutive_skips = 0  # reset by every finite step
-        self._host: dict[torch.Tensor, torch.Tensor] = {}  # optimizer tensor -> its pinned CPU copy
+        # optimizer tensor (a view of its DTensor's local shard, kept: `to_local` makes a new
+        # object per call) -> its pinned CPU copy
+        self._host: dict[torch.Tensor, torch.Tensor] = {}
         self._offloaded = False
 
     def step(self, losses: Callable[[], list[Callable[[], torch.Tensor]]]) -> dict[str, float]:
@@ -311,10 +313,10 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type != "cuda" or self._offloaded:
             return
-        for t in self._optimizer_tensors():
-            if t not in self._host:  # pinned buffers are made once and reused
-                self._host[t] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._host[t].copy_(t, non_blocking=True)
+        if not self._host:  # pinned buffers are made once the state exists (after a step), then reused
+            self._host = {t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in self._optimizer_tensors()}
+        for t, host in self._host.items():
+            host.copy_(t, non_blocking=True)
         torch.cuda.synchronize()
         for t in self._host:
             t.untyped_storage().resize_(0)
@@ -356,5 +358,6 @@ class TrainEngine:
     def load_state_dict(self, state: dict) -> None:
         self.onload()
         set_optimizer_state_dict(self.root, self.optimizer, state["optimizer"])
+        self._host = {}  # the state tensors were replaced: `offload` pairs the new ones with buffers
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_steps = state["skipped_steps"]

@@ -47,12 +47,13 @@ def test_checkpoint_from_two_gpus_resumes_on_one(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_gpus_generate_tensor_parallel_and_agree_with_the_trainer(tmp_path):
+def test_two_gpus_generate_tensor_parallel_and_agree_with_the_trainer(tmp_path, monkeypatch):
     """FSDP2 over 2 GPUs, generation as one TP group of 2 (NCCL all-reduce inside the decode
     graphs), resharded after every update; the train/infer mismatch is logged every step."""
     from mlflow import MlflowClient
 
     train(tmp_path, "placement.workers=2", "rollout.tp=2", "trainer.total_steps=3")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(store(tmp_path))
     run = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id])[0]
     got = {k: [m.value for m in sorted(client.get_metric_history(run.info.run_id, f"training/rollout_probs_diff_{k}"),
