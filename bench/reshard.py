@@ -12,11 +12,15 @@ groups of t ranks) with a KV cache for `--slots` x `--max-len` tokens. Per TP si
 - train -> generate: gradients freed, optimizer state to pinned CPU (`--offload`), KV cache
   allocated, weights resharded (`engine.reshard.Resharder.sync`);
 - generate -> train: KV cache freed, optimizer state back;
-- floor: the bytes a rank must receive from other ranks for its generation shard, over the
-  all-to-all bandwidth measured in the same run (a buffer of the same size); on one GPU, the
+- reshard floor: the bytes a rank must receive from other ranks for its generation shard, over
+  the all-to-all bandwidth measured in the same run (a buffer of the same size); on one GPU, the
   fp32 master read plus the bf16 copy written, at the device copy bandwidth measured alike;
-- reload baseline: the full state dict gathered, then a fresh NativeRollout built from it
-  (in memory, the favourable case for the baseline: nothing goes through a disk).
+- switch floor: that plus the optimizer state over the device -> pinned host bandwidth measured alike;
+- whether the decode CUDA graphs survived each switch (they do when the KV cache returns to the
+  same address; otherwise the next generate recaptures them);
+- reload baseline: the full state dict gathered, then a fresh NativeRollout built from it, made
+  ready to generate (its decode graphs captured); in memory, the favourable case for the
+  baseline: nothing goes through a disk.
 Peak memory (max_memory_allocated) is reported per phase on rank 0.
 """
 
@@ -115,19 +119,38 @@ def one_train_step(engine: Any, vocab: int) -> None:
                                                    False, entropy=False)[0].mean()])
 
 
-def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_peak: float) -> None:
-    """Switch times, floor and reload baseline for one generation TP layout; rank 0 prints them."""
+def host_gbps(nbytes: int, device: str) -> float:
+    """Device -> pinned host bytes per second (the optimizer offload's link), on a buffer of up to 1 GiB."""
+    if device != "cuda":
+        return float("inf")
+    src = torch.empty(max(1, min(nbytes, 2**30)) // 4, dtype=torch.float32, device=device)
+    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    dst.copy_(src)
+    t = statistics.median(timed(lambda: dst.copy_(src, non_blocking=True), device) for _ in range(3))
+    return src.numel() * 4 / t / 1e9
+
+
+def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_peak: float, tok: Any) -> None:
+    """Switch times, floors and reload baseline for one generation TP layout; rank 0 prints them."""
     from engine.native import NativeRollout
     from engine.native_model import NativeCausalLM
     from engine.reshard import Resharder
+    from engine.rollout import SamplingParams
 
     device, rank = args.device, dist.get_rank()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    first = SamplingParams(max_new_tokens=2)  # a fresh engine captures its decode graphs on its first call
+
+    def engine_for(model: Any) -> Any:
+        return NativeRollout(model, tok, max_slots=args.slots, max_len=args.max_len)
+
     with torch.device("meta"):
         rollout_model = NativeCausalLM(engine.model.config, tp)
     rollout_model = rollout_model.to_empty(device=device).to(dtype)
-    rollout = NativeRollout(rollout_model, None, max_slots=args.slots, max_len=args.max_len)
+    rollout = engine_for(rollout_model)
     resharder = Resharder(engine.model, rollout_model)
+    resharder.sync()
+    rollout.generate([[1, 2, 3]], first)
     rollout.release_memory()
 
     def to_generation() -> None:
@@ -147,13 +170,14 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
             fresh = NativeCausalLM(engine.model.config, tp)
         fresh = fresh.to_empty(device=device).to(dtype)
         fresh.load_weights(full.items())
-        NativeRollout(fresh, None, max_slots=args.slots, max_len=args.max_len)
+        engine_for(fresh).generate([[1, 2, 3]], first)  # ready to generate at full speed
 
-    down, up, peak = [], [], 0.0
+    down, up, peak, kept = [], [], 0.0, 0
     for _ in range(args.repeats):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         down.append(timed(to_generation, device))
+        kept += bool(rollout.graphs)  # False: the KV cache came back elsewhere, the graphs must be recaptured
         peak = max(peak, peak_gb(device))
         up.append(timed(to_training, device))
     reshard_only = statistics.median(timed(resharder.sync, device) for _ in range(args.repeats))
@@ -163,19 +187,26 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
     else:  # one GPU: read the fp32 master (2x the bf16 bytes) and write the bf16 copy, at copy speed
         link, bw = "copy", copy_gbps(device)
         floor = 3 * resharder.bytes_received / 1e9 / bw
+    offload_bytes = sum(t.numel() * t.element_size() for t in engine._optimizer_tensors()) if args.offload else 0
+    offload_floor = offload_bytes / 1e9 / host_gbps(offload_bytes, device)
     rollout.release_memory()
     baseline = timed(reload, device)
     if rank == 0:
         d, u = statistics.median(down), statistics.median(up)
-        print(f"  t={tp.size}: train->gen {d * 1e3:8.1f} ms (reshard alone {reshard_only * 1e3:.1f} ms), "
-              f"gen->train {u * 1e3:7.1f} ms; moved {resharder.bytes_from_peers / 2**30:.2f} GiB from peers "
-              f"({resharder.bytes_received / 2**30:.2f} GiB into the rollout), {link} {bw:.0f} GB/s, "
-              f"floor {floor * 1e3:.1f} ms -> reshard {reshard_only / floor if floor else float('nan'):.1f}x floor; "
-              f"reload baseline {baseline * 1e3:.0f} ms = {baseline / d:.0f}x the switch; "
+        print(f"  t={tp.size}: reshard {reshard_only * 1e3:.1f} ms: {resharder.bytes_from_peers / 2**30:.2f} GiB from "
+              f"peers ({resharder.bytes_received / 2**30:.2f} GiB into the rollout) at {link} {bw:.0f} GB/s, "
+              f"floor {floor * 1e3:.1f} ms -> {reshard_only / floor if floor else float('nan'):.1f}x floor\n"
+              f"       train->gen {d * 1e3:.1f} ms (with {offload_bytes / 2**30:.1f} GiB optimizer state to pinned "
+              f"host, floor {(floor + offload_floor) * 1e3:.1f} ms -> {d / (floor + offload_floor):.1f}x), "
+              f"gen->train {u * 1e3:.1f} ms; decode graphs kept in {kept}/{args.repeats} switches\n"
+              f"       reload baseline (full state dict -> fresh engine, graphs captured) {baseline * 1e3:.0f} ms "
+              f"= {baseline / reshard_only:.0f}x the reshard, {baseline / d:.1f}x train->gen; "
               f"peak {train_peak:.1f} GiB train, {peak:.1f} GiB switch+gen", flush=True)
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: str) -> None:
+    from transformers import AutoTokenizer
+
     from engine.native_model import TP
     from engine.train import TrainEngine
 
@@ -188,11 +219,12 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
     engine = TrainEngine(path, 1e-5, 0.0, 1.0, 0, 10, "constant", "bfloat16" if device == "cuda" else "float32",
                          device)
     one_train_step(engine, engine.model.config.vocab_size)
+    tok = AutoTokenizer.from_pretrained(path)
     if rank == 0:  # setup is most of a run's time on a fresh machine: say where it stands
         print(f"  trainer built and stepped in {time.perf_counter() - start:.0f} s", flush=True)
     peaks = {"train": peak_gb(device)}
     for t in args.tp:
-        measure(engine, TP.over_world(t), args, world, peaks["train"])
+        measure(engine, TP.over_world(t), args, world, peaks["train"], tok)
         if device == "cuda":
             torch.cuda.empty_cache()
     dist.destroy_process_group()

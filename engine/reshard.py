@@ -13,10 +13,12 @@ order on every rank:
 
     send = my rows of every block I source, cut to its columns, cast to the rollout dtype,
            grouped by destination rank
-    all_to_all_single(recv, send)      # the only communication
+    all_to_all_single(recv, send)      # the only communication, asynchronous
     copy each received block into its place in the rollout's parameters
 
-No rank ever holds more than one bucket beyond its own shard and its own rollout piece. With
+A bucket's copies wait for its collective while the next bucket packs and starts its own, so
+packing overlaps communication. No rank ever holds more than two buckets beyond its own shard
+and its own rollout piece. With
 t = 1 every rank needs every weight, and the all_to_all moves what an all-gather would (the floor).
 
 Invariant: after `sync`, the rollout's parameters equal bit for bit what `load_weights` of the
@@ -122,8 +124,14 @@ class Resharder:
         """Every rank, together: the rollout's weights become the trainer's."""
         for target in self.zeros:
             self.target[target].zero_()
-        for move in self.moves:
-            self._move(*move)
+        flying = None  # the previous bucket: its copies in wait for its collective, while this one's packs
+        for out, inc, out_splits, in_splits in self.moves:
+            sent = self._send(out, out_splits, in_splits)
+            if flying:
+                self._receive(*flying)
+            flying = (inc, *sent)
+        if flying:
+            self._receive(*flying)
 
     def _arrange(self, bucket: list[Block]) -> tuple[list[Block], list[Block], list[int], list[int]]:
         """This rank's part of a bucket: the blocks it sends (by destination) and receives (by
@@ -132,7 +140,8 @@ class Resharder:
         inc = sorted((b for b in bucket if b.dst == self.rank), key=lambda b: b.src)
         return out, inc, self._splits(out, "dst"), self._splits(inc, "src")
 
-    def _move(self, out: list[Block], inc: list[Block], out_splits: list[int], in_splits: list[int]) -> None:
+    def _send(self, out: list[Block], out_splits: list[int], in_splits: list[int]) -> tuple[torch.Tensor, Any]:
+        """Pack this rank's outgoing blocks and start the bucket's all_to_all; (receive buffer, work)."""
         send = torch.empty(sum(out_splits), dtype=self.dtype, device=self.device)
         at = 0
         for b in out:
@@ -140,10 +149,15 @@ class Resharder:
             n = piece.numel()
             send[at:at + n].view(piece.shape).copy_(piece)
             at += n
-        recv = send
-        if self.dist:
-            recv = torch.empty(sum(in_splits), dtype=self.dtype, device=self.device)
-            dist.all_to_all_single(recv, send, in_splits, out_splits)
+        if not self.dist:
+            return send, None
+        recv = torch.empty(sum(in_splits), dtype=self.dtype, device=self.device)
+        return recv, dist.all_to_all_single(recv, send, in_splits, out_splits, async_op=True)
+
+    def _receive(self, inc: list[Block], recv: torch.Tensor, work: Any) -> None:
+        """Wait for a bucket's all_to_all and copy each received block into its place."""
+        if work is not None:
+            work.wait()
         at = 0
         for b in inc:
             dst = self.target[b.target]
