@@ -17,7 +17,7 @@ groups of t ranks) with a KV cache for `--slots` x `--max-len` tokens. Per TP si
   fp32 master read plus the bf16 copy written, at the device copy bandwidth measured alike;
 - switch floor: that plus the optimizer state over the device -> pinned host bandwidth measured alike;
 - whether the decode CUDA graphs survived each switch (they do when the KV cache returns to the
-  same address; otherwise the next generate recaptures them);
+  same address; otherwise train -> generate includes recapturing them, with a 2-token generate);
 - reload baseline: the full state dict gathered, then a fresh NativeRollout built from it, made
   ready to generate (its decode graphs captured); in memory, the favourable case for the
   baseline: nothing goes through a disk.
@@ -157,6 +157,8 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
         engine.offload() if args.offload else engine.optimizer.zero_grad(set_to_none=True)
         rollout.resume_memory()
         resharder.sync()
+        if rollout.graphs == {}:  # the KV cache came back elsewhere: recapture now, as the next generate would
+            rollout.generate([[1, 2, 3]], first)
 
     def to_training() -> None:
         rollout.release_memory()
@@ -176,8 +178,9 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
     for _ in range(args.repeats):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        before = rollout.graphs and next(iter(rollout.graphs.values()))
         down.append(timed(to_generation, device))
-        kept += bool(rollout.graphs)  # False: the KV cache came back elsewhere, the graphs must be recaptured
+        kept += bool(before) and next(iter(rollout.graphs.values())) is before
         peak = max(peak, peak_gb(device))
         up.append(timed(to_training, device))
     reshard_only = statistics.median(timed(resharder.sync, device) for _ in range(args.repeats))
@@ -190,7 +193,9 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
     offload_bytes = sum(t.numel() * t.element_size() for t in engine._optimizer_tensors()) if args.offload else 0
     offload_floor = offload_bytes / 1e9 / host_gbps(offload_bytes, device)
     rollout.release_memory()
+    engine.offload()  # the baseline, too, runs with generation's memory: optimizer state off the GPU
     baseline = timed(reload, device)
+    engine.onload()
     if rank == 0:
         d, u = statistics.median(down), statistics.median(up)
         print(f"  t={tp.size}: reshard {reshard_only * 1e3:.1f} ms: {resharder.bytes_from_peers / 2**30:.2f} GiB from "
@@ -198,7 +203,8 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
               f"floor {floor * 1e3:.1f} ms -> {reshard_only / floor if floor else float('nan'):.1f}x floor\n"
               f"       train->gen {d * 1e3:.1f} ms (with {offload_bytes / 2**30:.1f} GiB optimizer state to pinned "
               f"host, floor {(floor + offload_floor) * 1e3:.1f} ms -> {d / (floor + offload_floor):.1f}x), "
-              f"gen->train {u * 1e3:.1f} ms; decode graphs kept in {kept}/{args.repeats} switches\n"
+              f"gen->train {u * 1e3:.1f} ms; decode graphs kept in {kept}/{args.repeats} switches "
+              f"(else recaptured within train->gen)\n"
               f"       reload baseline (full state dict -> fresh engine, graphs captured) {baseline * 1e3:.0f} ms "
               f"= {baseline / reshard_only:.0f}x the reshard, {baseline / d:.1f}x train->gen; "
               f"peak {train_peak:.1f} GiB train, {peak:.1f} GiB switch+gen", flush=True)
