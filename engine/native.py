@@ -132,7 +132,8 @@ class NativeRollout:
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
         if self.graphs == {}:  # capture before any prefill: warm-up decodes scribble on the slots
-            self._capture(self.graphs)
+            with torch.inference_mode():
+                self._capture(self.graphs)
         stops = set(stop_ids(self.tokenizer, params))
         generator = torch.Generator(self.device).manual_seed(params.seed)
         waiting = deque(_Seq(p, i * params.n + j) for i, p in enumerate(prompts) for j in range(params.n))

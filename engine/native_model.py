@@ -361,6 +361,9 @@ class NativeCausalLM(nn.Module):
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_dim = head_dim(cfg)
         self.rope_theta = rope_theta(cfg)
+        # inference only: a forward outside inference_mode (graph capture) must not record autograd
+        # history, which would keep every captured step's activations alive
+        self.requires_grad_(False)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,

@@ -37,6 +37,15 @@ def test_logits_match_transformers(model_dir, hf, tok):
         torch.testing.assert_close(native_logits(model, ids), ref, atol=1e-4, rtol=1e-4)
 
 
+def test_forwards_record_no_autograd_history(model_dir):
+    """Graph capture runs the model outside inference_mode; a step that recorded history would
+    keep its activations alive for as long as the captured outputs live."""
+    model = NativeCausalLM.from_pretrained(model_dir)
+    assert not any(p.requires_grad for p in model.parameters())
+    out = model(torch.tensor([[3, 4, 5]]), torch.tensor([[0, 1, 2]]))
+    assert out.grad_fn is None and not out.requires_grad
+
+
 def test_filter_logits_keeps_top_k_and_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [[True, True, False, False]]
