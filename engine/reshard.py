@@ -220,6 +220,15 @@ def buckets_of(shapes: list[tuple[str, list[int]]], itemsize: int,
     return [b for b in buckets if b]
 
 
+def _group(store: Any, rank: int, size: int, device: torch.device, timeout: datetime.timedelta) -> Any:
+    """A process group over `store` alone, outside torch.distributed's registry: gloo on CPU, NCCL
+    on CUDA (on this process's current device, the GPU Ray assigned it)."""
+    if device.type != "cuda":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    nccl: Any = dist.ProcessGroupNCCL  # absent from CPU builds of torch
+    return nccl(store, rank, size, nccl.Options())
+
+
 class WeightBroadcast:
     """One end of the trainer -> rollout-pool weight group: `rank` 0 is trainer rank 0 (it hosts
     the store at host:port and sends), ranks 1..size-1 are the rollout ranks (they receive). All
@@ -234,8 +243,7 @@ class WeightBroadcast:
         # A group of its own: each pool already has its default group, and dist.new_group cannot span two.
         self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
         store = dist.PrefixStore("rollout-weights", self.store)
-        self.group: Any = (dist.ProcessGroupNCCL(store, rank, size) if device.type == "cuda"  # type: ignore[attr-defined]
-                           else dist.ProcessGroupGloo(store, rank, size, timeout))
+        self.group = _group(store, rank, size, device, timeout)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         self.group.broadcast([t], dist.BroadcastOptions()).wait()  # root 0: trainer rank 0
