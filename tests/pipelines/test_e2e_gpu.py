@@ -41,3 +41,19 @@ def test_checkpoint_from_two_gpus_resumes_on_one(tmp_path):
     train(tmp_path, "placement.workers=2", "trainer.total_steps=2")  # NCCL data parallel
     resumed = train(tmp_path, "placement.workers=1", "trainer.total_steps=3")
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_split_placement_trains_on_one_gpu_and_generates_on_another(tmp_path):
+    """One actor GPU, one rollout GPU; the weights go over NCCL after each update (the actor's update
+    refuses a batch from any other version), and the rollout's probabilities stay near the trainer's."""
+    from mlflow import MlflowClient
+
+    train(tmp_path, "placement.own_pool=[rollout]", "trainer.total_steps=2")
+    store = (f"sqlite:///{tmp_path}/mlflow.db" if importlib.util.find_spec("sqlalchemy")
+             else f"file://{tmp_path}/mlruns")
+    client = MlflowClient(store)
+    [run] = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id])
+    history = lambda key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))  # noqa: E731
+    assert history("rollout/weight_version") == [(1, 0.0), (2, 1.0)]
+    assert all(v < 0.1 for _, v in history("training/rollout_probs_diff_mean"))
