@@ -17,7 +17,7 @@ drops PPO's value-loss-in-the-policy-loss (separate optimizers) and shared actor
 
 One step, per data-parallel rank (`step_graph`):
     generate -> score -> [reference logprobs] -> old logprobs -> [values] -> advantages -> [critic update]
-    -> update
+    -> update -> [push weights to the rollout pool]
 The same graph is either compiled once into a Ray compiled DAG (`trainer.dag=compiled`) or run
 as chained `.remote()` calls (`plain`); both execute the same stage verbs in the same order, so a
 seed gives identical metrics. Validation, dynamic sampling, checkpoints and logging stay in the
@@ -26,8 +26,9 @@ driver, between executions.
 Placement: the actor generates with its own rollout engine (hybrid), or with `placement.own_pool`
 listing rollout a pool of Rollout workers does (split), rank r for the actor's rank r. Split, the
 trainer's weights reach that pool only through the pair `actor.push_weights` + `rollout.pull_weights`,
-run together on every rank: in the graph after `update`, and from the driver after a load. The
-samples (seeded per step and rank) and so the metrics are the same in both placements.
+run together on every rank: in the graph after `update`, and from the driver after a load (the
+warm start needs none: the pools are built from the directory it exports). The samples (seeded
+per step and rank), and so the metrics, are the same in both placements.
 
 Run: `rlflow train [conf/x.yaml] [key=value ...]`.
 """
