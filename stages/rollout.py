@@ -11,6 +11,9 @@ Invariants:
   in either placement, and a resumed step repeats them;
 - `weight_version` is the actor's version of the weights this engine holds (0: the model
   directory it was built from), and every Batch it generates carries it.
+
+Tests: tests/stages/test_actor.py (hybrid), tests/engine/test_reshard.py -k push (the weight
+broadcast), tests/pipelines/test_e2e.py -k split (split placement, same metrics as hybrid).
 """
 
 from __future__ import annotations
