@@ -129,7 +129,7 @@ class WarmstartConfig:
 @dataclass
 class PlacementConfig:
     workers: int = 1  # data-parallel ranks of the hybrid actor pool, one process each
-    own_pool: list[str] = field(default_factory=list)  # roles split off the hybrid pool: reward, reference, critic
+    own_pool: list[str] = field(default_factory=list)  # roles off the hybrid pool: reward, reference, critic, rollout
     gpus_per_worker: float = 0.0  # 0 = CPU bundles
     torch_threads: int = 1  # per worker; idle compiled-graph actors spin a core each
 
@@ -326,8 +326,10 @@ def validate(cfg: Config) -> None:
     if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage not in ("reinforce_pp", "gae"):
         raise ConfigError("algorithm.kl_in_reward needs algorithm.advantage=reinforce_pp or gae (token-level "
                           "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
-    if set(p.own_pool) - {"reward", "reference", "critic"}:
-        raise ConfigError(f"placement.own_pool takes reward, reference and/or critic, got {p.own_pool}")
+    if set(p.own_pool) - {"reward", "reference", "critic", "rollout"}:
+        raise ConfigError(f"placement.own_pool takes reward, reference, critic and/or rollout, got {p.own_pool}")
+    if "rollout" in p.own_pool:
+        _validate_split(cfg)
     if cfg.algorithm.name == "sft" and cfg.warmstart.steps:
         raise ConfigError(f"warmstart.steps={cfg.warmstart.steps} with algorithm.name=sft: SFT is the supervised "
                           "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
@@ -352,6 +354,19 @@ def _validate_critic(cfg: Config) -> None:
                           f"or the actor never trains; got {c.warmup_steps}")
     if "critic" in cfg.placement.own_pool and not gae:
         raise ConfigError("placement.own_pool lists critic, but only algorithm.advantage=gae runs one")
+
+
+def _validate_split(cfg: Config) -> None:
+    """A rollout pool of its own: generation on other workers, fed by a weight broadcast."""
+    p = cfg.placement
+    if cfg.algorithm.name in ("sft", "dpo"):
+        raise ConfigError(f"placement.own_pool lists rollout, but algorithm.name={cfg.algorithm.name} never generates")
+    if 0 < p.gpus_per_worker < 1:
+        raise ConfigError(f"placement.own_pool=[rollout] with placement.gpus_per_worker={p.gpus_per_worker}: a "
+                          "trainer and a rollout worker could share one GPU, and NCCL connects no two ranks there")
+    if cfg.rollout.free_cache or cfg.actor.offload_optimizer:
+        raise ConfigError("rollout.free_cache and actor.offload_optimizer share one GPU's memory between generation "
+                          "and training; with placement.own_pool=[rollout] each has its own GPUs: turn them off")
 
 
 def _validate_scoring(cfg: Config) -> None:

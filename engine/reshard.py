@@ -23,10 +23,27 @@ t = 1 every rank needs every weight, and the all_to_all moves what an all-gather
 
 Invariant: after `sync`, the rollout's parameters equal bit for bit what `load_weights` of the
 full tensors writes (the same cast, the same cuts).
+
+Split placement (`placement.own_pool=[rollout]`): the rollout engines live in their own pool, whose
+processes share no default group with the trainer's. `WeightBroadcast` is a stand-alone group of
+trainer rank 0 (group rank 0) and every rollout rank (1..W), built from a TCPStore that trainer
+rank 0 hosts (gloo on CPU, NCCL on CUDA). Both sides cut the trainer's HF-named parameters, in
+`named_parameters` order, into the same buckets (`buckets_of`), and each push (`push_weights` on
+every trainer rank, `WeightBroadcast.receive` on every rollout rank, together) runs:
+
+    broadcast(version)                                   # an int64, first
+    for bucket in buckets:
+        trainer ranks: all-gather each FSDP2 parameter in turn (`full_tensors`)
+        trainer rank 0: pack the bucket, cast to the rollout dtype; broadcast(bucket)
+        rollout ranks: broadcast(buffer); engine.load_weights(views of the buffer)
+
+Invariant: after a push every rollout rank's engine holds bit for bit what
+`load_weights(full_tensors(trainer))` writes, and reports the version that came with it.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -195,3 +212,94 @@ def full_tensors(trainer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     all-gathered when its turn comes (every rank must iterate in step)."""
     for name, p in trainer.named_parameters():
         yield name, (p.full_tensor() if isinstance(p, DTensor) else p.detach())
+
+
+def weight_shapes(trainer: torch.nn.Module) -> list[tuple[str, list[int]]]:
+    """(HF name, full shape) of every trainer parameter, in `full_tensors` order: the plan of a push."""
+    return [(name, list(p.shape)) for name, p in trainer.named_parameters()]
+
+
+def buckets_of(shapes: list[tuple[str, list[int]]], itemsize: int,
+               bucket_bytes: int) -> list[list[tuple[str, list[int]]]]:
+    """Consecutive parameters in buckets of at most `bucket_bytes` (a lone bigger tensor gets its own)."""
+    buckets: list[list[tuple[str, list[int]]]] = [[]]
+    size = 0
+    for name, shape in shapes:
+        full = torch.Size(shape).numel() * itemsize
+        if size and size + full > bucket_bytes:
+            buckets.append([])
+            size = 0
+        size += full
+        buckets[-1].append((name, shape))
+    return [b for b in buckets if b]
+
+
+def _group(store: Any, rank: int, size: int, device: torch.device, timeout: datetime.timedelta) -> Any:
+    """A process group over `store` alone, outside torch.distributed's registry: gloo on CPU, NCCL
+    on CUDA (on this process's current device, the GPU Ray assigned it)."""
+    if device.type != "cuda":
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    nccl: Any = dist.ProcessGroupNCCL  # absent from CPU builds of torch
+    return nccl(store, rank, size, nccl.Options())
+
+
+class WeightBroadcast:
+    """One end of the trainer -> rollout-pool weight group: `rank` 0 is trainer rank 0 (it hosts
+    the store at host:port and sends), ranks 1..size-1 are the rollout ranks (they receive). All
+    `size` ends construct it together; then every push is `send` on rank 0 (inside `push_weights`)
+    and `receive` on the others, together."""
+
+    def __init__(self, host: str, port: int, rank: int, size: int, shapes: list[tuple[str, list[int]]],
+                 dtype: torch.dtype, device: torch.device, bucket_bytes: int = BUCKET_BYTES,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+        self.rank, self.dtype, self.device = rank, dtype, device
+        self.buckets = buckets_of(shapes, dtype.itemsize, bucket_bytes)
+        # A group of its own: each pool already has its default group, and dist.new_group cannot span two.
+        self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        store = dist.PrefixStore("rollout-weights", self.store)
+        self.group = _group(store, rank, size, device, timeout)
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        self.group.broadcast([t], dist.BroadcastOptions()).wait()  # root 0: trainer rank 0
+
+    @torch.no_grad()
+    def send(self, tensors: Iterator[tuple[str, torch.Tensor]], version: int) -> None:
+        """Rank 0: broadcast `version`, then `tensors` (the trainer's, in plan order) bucket by bucket."""
+        self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
+        for bucket in self.buckets:
+            buffer = torch.empty(sum(torch.Size(s).numel() for _, s in bucket), dtype=self.dtype, device=self.device)
+            at = 0
+            for name, shape in bucket:
+                got, tensor = next(tensors)
+                assert got == name, f"trainer parameter {got} where the plan has {name}"
+                n = tensor.numel()
+                buffer[at:at + n].view(shape).copy_(tensor)  # the cast load_weights would make
+                at += n
+            self._broadcast(buffer)
+
+    @torch.no_grad()
+    def receive(self, engine: Any) -> int:
+        """A rollout rank: the trainer's weights into `engine.load_weights`, bucket by bucket; their version."""
+        version = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(version)
+        for bucket in self.buckets:
+            buffer = torch.empty(sum(torch.Size(s).numel() for _, s in bucket), dtype=self.dtype, device=self.device)
+            self._broadcast(buffer)
+            views, at = [], 0
+            for name, shape in bucket:
+                n = torch.Size(shape).numel()
+                views.append((name, buffer[at:at + n].view(shape)))
+                at += n
+            engine.load_weights(views)
+        return int(version.item())
+
+
+def push_weights(trainer: torch.nn.Module, link: WeightBroadcast | None, version: int) -> None:
+    """Every trainer rank, together with every rollout rank's `receive`: the full tensors are
+    all-gathered on every trainer rank, and rank 0 (the one holding `link`) sends them."""
+    tensors = full_tensors(trainer)
+    if link is None:
+        for _ in tensors:  # join each all-gather
+            pass
+    else:
+        link.send(tensors, version)

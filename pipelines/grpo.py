@@ -17,11 +17,18 @@ drops PPO's value-loss-in-the-policy-loss (separate optimizers) and shared actor
 
 One step, per data-parallel rank (`step_graph`):
     generate -> score -> [reference logprobs] -> old logprobs -> [values] -> advantages -> [critic update]
-    -> update
+    -> update -> [push weights to the rollout pool]
 The same graph is either compiled once into a Ray compiled DAG (`trainer.dag=compiled`) or run
 as chained `.remote()` calls (`plain`); both execute the same stage verbs in the same order, so a
 seed gives identical metrics. Validation, dynamic sampling, checkpoints and logging stay in the
 driver, between executions.
+
+Placement: the actor generates with its own rollout engine (hybrid), or with `placement.own_pool`
+listing rollout a pool of Rollout workers does (split), rank r for the actor's rank r. Split, the
+trainer's weights reach that pool only through the pair `actor.push_weights` + `rollout.pull_weights`,
+run together on every rank: in the graph after `update`, and from the driver after a load (the
+warm start needs none: the pools are built from the directory it exports). The samples (seeded
+per step and rank), and so the metrics, are the same in both placements.
 
 Run: `rlflow train [conf/x.yaml] [key=value ...]`.
 """
@@ -49,13 +56,14 @@ from stages.actor import ActorRollout
 from stages.critic import Critic
 from stages.reference import Reference
 from stages.reward import Reward
+from stages.rollout import Rollout
 from stages.worker import StageWorker
 
 GET_TIMEOUT_S = 3600.0  # a step may legitimately run long; ray.get's compiled-graph default is 10 s
 
 
 class Stages:
-    """Worker pools and which pool serves each role (actor, reward, reference, critic)."""
+    """Worker pools and which pool serves each role (actor, reward, reference, critic, rollout)."""
 
     def __init__(self, cfg: Config, model_path: str) -> None:
         p = cfg.placement
@@ -70,6 +78,9 @@ class Stages:
         if cfg.algorithm.advantage == "gae":
             roles["critic"] = (Critic, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
                                                       device=device))
+        if "rollout" in p.own_pool:
+            roles["rollout"] = (Rollout, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
+                                                        device=device))
         self.pools: dict[str, Pool] = {}
         self.roles: dict[str, str] = {}
         for role, (cls, kwargs) in roles.items():
@@ -80,26 +91,48 @@ class Stages:
             self.pools[where].add(role, cls, kwargs)
             self.roles[role] = where
         self.workers = p.workers
+        self.generator = "rollout" if "rollout" in self.roles else "actor"  # the role whose `generate` runs
+        if "rollout" in self.roles:
+            self._connect()
 
     def worker(self, role: str, rank: int) -> Any:
         return self.pools[self.roles[role]].workers[rank]
+
+    def _connect(self) -> None:
+        """Split placement: actor rank 0 hosts the weight group and every rollout rank joins it, all at once."""
+        actor = self.worker("actor", 0)
+        host, port = ray.get(actor.address.remote())
+        plan = ray.get(actor.run.remote("actor", "weight_plan"))
+        ray.get([actor.run.remote("actor", "connect_rollout", host, port, self.workers + 1)] +
+                [self.worker("rollout", r).run.remote("rollout", "connect", host, port, self.workers + 1, plan)
+                 for r in range(self.workers)], timeout=GET_TIMEOUT_S)
+
+    def push_weights(self) -> None:
+        """Split placement: the actor's weights to the rollout pool, outside the step graph (every rank at once)."""
+        if "rollout" in self.roles:
+            ray.get([self.worker("actor", r).run.remote("actor", "push_weights") for r in range(self.workers)] +
+                    [self.worker("rollout", r).run.remote("rollout", "pull_weights") for r in range(self.workers)],
+                    timeout=GET_TIMEOUT_S)
 
     def shutdown(self) -> None:
         for pool in self.pools.values():
             pool.shutdown()
 
 
-def step_graph(stages: Stages, inputs: list[Any], call: Callable, sampled: bool = False) -> list[Any]:
+def step_graph(stages: Stages, inputs: list[Any], call: Callable,
+               sampled: bool = False) -> tuple[list[Any], list[Any]]:
     """The step's dataflow, one chain per rank; `call` binds (compiled DAG) or submits (plain).
 
     Inputs are RolloutRequests, or with `sampled` the scored batches dynamic sampling kept.
+    Returns each rank's update (what the driver reads) and, split, the weight pushes and pulls
+    that follow it (waited for, not read).
     """
-    outputs = []
+    updates = []
     for rank, batch in enumerate(inputs):
         def at(role: str, verb: str, x: Any, rank: int = rank) -> Any:
             return call(stages.worker(role, rank).run, role, verb, x)
         if not sampled:
-            batch = at("actor", "generate", batch)  # G samples per prompt, with rollout logprobs
+            batch = at(stages.generator, "generate", batch)  # G samples per prompt, with rollout logprobs
             batch = at("reward", "score", batch)  # rule reward per response
         if "reference" in stages.roles:
             batch = at("reference", "logprobs", batch)  # anchor for the KL loss
@@ -109,23 +142,35 @@ def step_graph(stages: Stages, inputs: list[Any], call: Callable, sampled: bool 
         batch = at("actor", "advantages", batch)  # group-relative, or GAE with the critic's values
         if "critic" in stages.roles:  # before the actor's, so every rank runs their collectives in one order
             batch = at("critic", "update", batch)  # clipped value regression on the GAE returns
-        outputs.append(at("actor", "update", batch))  # PPO-clip epochs over mini-batches
-    return outputs
+        updates.append(at("actor", "update", batch))  # PPO-clip epochs over mini-batches
+    if "rollout" not in stages.roles:  # hybrid: the update already refreshed the actor's own rollout engine
+        return updates, []
+    # Split: every actor rank pushes and every rollout rank pulls the new weights, together, after the update.
+    syncs = [call(stages.worker(role, rank).run, role, verb, update)
+             for role, verb in (("actor", "push_weights"), ("rollout", "pull_weights"))
+             for rank, update in enumerate(updates)]
+    return updates, syncs
 
 
 def make_runner(cfg: Config, stages: Stages) -> tuple[Callable[[list[Any]], list[dict]], Callable]:
     """(run one step, release) for the configured execution mode."""
     sampled = cfg.algorithm.dynamic_sampling_tries > 0  # the driver generates and filters before the graph
+    n = stages.workers
+
+    def graph(inputs: list[Any], call: Callable) -> list[Any]:  # the n updates first, then any weight syncs
+        updates, syncs = step_graph(stages, inputs, call, sampled)
+        return updates + syncs
+
     if cfg.trainer.dag == "plain":
         submit = lambda method, *args: method.remote(*args)  # noqa: E731
-        return (lambda xs: ray.get(step_graph(stages, xs, submit, sampled), timeout=GET_TIMEOUT_S)), (lambda: None)
+        return (lambda xs: ray.get(graph(xs, submit), timeout=GET_TIMEOUT_S)[:n]), (lambda: None)
     from ray.dag import InputNode, MultiOutputNode
 
     bind = lambda method, *args: method.bind(*args)  # noqa: E731
     with InputNode() as inp:
-        dag = MultiOutputNode(step_graph(stages, [inp[r] for r in range(stages.workers)], bind, sampled))
+        dag = MultiOutputNode(graph([inp[r] for r in range(n)], bind))
     compiled = dag.experimental_compile(_submit_timeout=GET_TIMEOUT_S)
-    return (lambda reqs: ray.get(compiled.execute(*reqs), timeout=GET_TIMEOUT_S)), compiled.teardown
+    return (lambda reqs: ray.get(compiled.execute(*reqs), timeout=GET_TIMEOUT_S)[:n]), compiled.teardown
 
 
 def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
@@ -139,7 +184,7 @@ def rollout(stages: Stages, prompts: list[Prompt], step: int, greedy: bool = Fal
     refs = []
     for rank, part in enumerate(shards(prompts, stages.workers)):
         request = RolloutRequest(part, step, greedy, samples)
-        batch = stages.worker("actor", rank).run.remote("actor", "generate", request)
+        batch = stages.worker(stages.generator, rank).run.remote(stages.generator, "generate", request)
         refs.append(stages.worker("reward", rank).run.remote("reward", "score", batch))
     return ray.get(refs, timeout=GET_TIMEOUT_S)
 
@@ -264,6 +309,7 @@ class Workers:
         if ckpt:
             ray.get([self.stages.worker(role, r).run.remote(role, "load", str(ckpt))
                      for role in TRAINED if role in self.stages.roles for r in range(self.stages.workers)])
+            self.stages.push_weights()  # split placement: the rollout pool still holds the initial weights
             state = checkpoint.read_driver_state(ckpt)
             loader.load_state_dict(state["loader"])
             self.start = state["step"]

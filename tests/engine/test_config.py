@@ -62,6 +62,11 @@ def test_unknown_key_in_yaml(tmp_path):
     (["algorithm.name=ppo", "algorithm.advantage=gae", "critic.warmup_steps=100"], "or the actor never trains"),
     (["algorithm.name=ppo", "algorithm.advantage=gae", "algorithm.lam=1.5"], "must be in \\[0, 1\\]"),
     (["algorithm.name=ppo", "algorithm.advantage=gae", "critic.cliprange_value=0"], "must be > 0"),
+    ("placement.own_pool=[actor]", "takes reward, reference, critic and/or rollout"),
+    (["placement.own_pool=[rollout]", "algorithm.name=dpo"], "never generates"),
+    (["placement.own_pool=[rollout]", "placement.gpus_per_worker=0.5"], "NCCL connects no two ranks"),
+    (["placement.own_pool=[rollout]", "rollout.free_cache=true"], "each has its own GPUs"),
+    (["placement.own_pool=[rollout]", "actor.offload_optimizer=true"], "each has its own GPUs"),
 ])
 def test_invalid_values_fail_before_work(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -72,6 +77,14 @@ def test_ppo_needs_no_group_and_may_split_off_its_critic():
     cfg = load_config(None, ["algorithm.name=ppo", "algorithm.advantage=gae", "rollout.samples_per_prompt=1",
                              "placement.own_pool=[critic]", "algorithm.kl_in_reward=true"])
     assert cfg.rollout.samples_per_prompt == 1 and cfg.placement.own_pool == ["critic"]
+
+
+@pytest.mark.parametrize("backend", ["native", "hf", "vllm"])
+def test_every_rollout_backend_may_have_its_own_pool(backend):
+    # each builds its own copy of the weights from the model directory, which the broadcast refreshes
+    cfg = load_config(None, ["placement.own_pool=[rollout, reward]", f"rollout.backend={backend}",
+                             "placement.gpus_per_worker=1"])
+    assert cfg.placement.own_pool == ["rollout", "reward"]
 
 
 def test_drgrpo_with_one_sample_is_still_a_group_error():

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from engine.native_model import TP, Cut, NativeCausalLM
-from engine.reshard import Resharder, blocks_for, owned_rows
+from engine.reshard import Resharder, WeightBroadcast, blocks_for, full_tensors, owned_rows, push_weights, weight_shapes
 
 
 def test_blocks_cover_each_needed_row_once_from_its_owner():
@@ -80,3 +80,80 @@ def test_fsdp_shards_reshard_bit_exactly_into_tensor_parallel_pieces(model_dir, 
         assert got["buckets"] > 1
         # a rank receives its rollout piece, never more (row-parallel biases are zero-filled locally)
         assert got["received"] <= got["rollout_bytes"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _split_worker(rank: int, ports: tuple[int, int], model_dir: str, backend: str, out: str, device: str,
+                  trainers: int, rollouts: int) -> None:
+    """Ranks below `trainers`: the trainer, FSDP2 over their own group, weights moved off the model
+    directory's; the `rollouts` others: rollout engines of NaN. One push, version 7, in buckets of
+    64 KiB. On CUDA, rank r runs on GPU r."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoTokenizer
+
+    from engine.rollout import build_rollout
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    rollout = lambda: build_rollout(backend, AutoTokenizer.from_pretrained(model_dir), model_dir, "bfloat16",  # noqa: E731
+                                    device, 64, 4, 0.3)
+    model = lambda engine: engine.model  # noqa: E731  # native and hf engines both keep theirs here
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+    shapes = weight_shapes(trainer)
+    here = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+    connect = lambda group_rank: WeightBroadcast("127.0.0.1", ports[1], group_rank, 1 + rollouts, shapes,  # noqa: E731
+                                                 torch.bfloat16, here, bucket_bytes=64 * 1024)
+    if rank < trainers:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}",
+                                rank=rank, world_size=trainers)
+        mesh = init_device_mesh(device, (trainers,))
+        for layer in trainer.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(trainer, mesh=mesh)
+        torch.manual_seed(rank)
+        with torch.no_grad():
+            for p in trainer.parameters():  # what the rollout must get is no longer on disk
+                p.to_local().add_(torch.randn_like(p.to_local()) * 0.01)
+        link = connect(0) if rank == 0 else None
+        push_weights(trainer, link, 7)
+        want = rollout()
+        want.load_weights(full_tensors(trainer))  # collective, like the push
+        if rank == 0:
+            torch.save({"want": {n: p.cpu() for n, p in model(want).named_parameters()},
+                        "buckets": len(link.buckets)}, f"{out}.want")
+        dist.destroy_process_group()
+    else:
+        engine = rollout()
+        with torch.no_grad():
+            for p in model(engine).parameters():
+                p.fill_(float("nan"))  # any weight the push misses stays NaN
+        version = connect(rank - trainers + 1).receive(engine)
+        torch.save({"got": {n: p.cpu() for n, p in model(engine).named_parameters()}, "version": version},
+                   f"{out}.{rank}")
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, two_gpus])])
+def test_push_to_a_rollout_pool_equals_loading_full_tensors(model_dir, tmp_path, backend, device):
+    """Split placement's transport: FSDP2 trainer ranks push to rollout ranks in other processes
+    (no shared default group) over a stand-alone group: on CPU 2 trainer ranks to 2 rollout ranks
+    (gloo), on CUDA 1 GPU to 1 GPU (NCCL). Every rollout weight ends bit-equal to
+    `load_weights(full_tensors(trainer))`, with the version the trainer sent."""
+    trainers, rollouts = (2, 2) if device == "cpu" else (1, 1)
+    mp.spawn(_split_worker, args=((_free_port(), _free_port()), str(model_dir), backend, str(tmp_path / "out"),
+                                  device, trainers, rollouts), nprocs=trainers + rollouts)
+    want = torch.load(tmp_path / "out.want", weights_only=True)
+    assert want["buckets"] > 1
+    for r in range(trainers, trainers + rollouts):
+        got = torch.load(tmp_path / f"out.{r}", weights_only=True)
+        assert got["version"] == 7
+        assert list(got["got"]) == list(want["want"])
+        mismatched = [n for n, w in want["want"].items() if not torch.equal(got["got"][n], w)]
+        assert mismatched == []

@@ -135,6 +135,29 @@ def test_plain_mode_gives_identical_metrics(compiled_run, tmp_path):
     assert a == b
 
 
+def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_path):
+    """The rollout in a pool of its own, fed by the trainer's broadcast after every update: the same
+    samples, so the same numbers, as the hybrid run on CPU fp32; the rollout's weight version rises
+    by one a step; a resumed run (plain calls, two ranks a pool this time) pushes the checkpoint's
+    weights before its first generation."""
+    split = ("placement.own_pool=[rollout]",)
+    rlflow(tmp_path, "out", *split)
+    _, hybrid = only_run(compiled_run)
+    client, run = only_run(tmp_path)
+    want = {k: v for k, v in history(MlflowClient(f"sqlite:///{compiled_run}/mlflow.db"), hybrid.info.run_id).items()
+            if not k.startswith(NOISY)}
+    got = {k: v for k, v in history(client, run.info.run_id).items() if not k.startswith(NOISY)}
+    assert got == want
+    assert got["rollout/weight_version"] == [(1, 0.0), (2, 1.0), (3, 2.0)]
+
+    resumed = rlflow(tmp_path, "out", *split, "trainer.total_steps=4", "trainer.val_every=0", "trainer.dag=plain",
+                     "placement.workers=2")
+    assert "at step 3" in resumed.stdout
+    after = {k: dict(v) for k, v in history(client, run.info.run_id).items()}
+    assert after["rollout/weight_version"][4] == 3  # the checkpoint's version, pushed at load
+    assert after["training/rollout_probs_diff_max"][4] < 1e-4  # and its weights, not the initial ones
+
+
 def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path):
     steps = ["trainer.total_steps=4", "trainer.save_every=2"]
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)

@@ -60,3 +60,18 @@ def test_two_gpus_generate_tensor_parallel_and_agree_with_the_trainer(tmp_path, 
                                        key=lambda m: m.step)] for k in ("mean", "max")}
     print(f"\nbf16, TP=2 over 2 GPUs, per step: rollout_probs_diff_mean {got['mean']}, max {got['max']}")
     assert len(got["mean"]) == 3 and max(got["mean"]) < 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_split_placement_trains_on_one_gpu_and_generates_on_another(tmp_path, monkeypatch):
+    """One actor GPU, one rollout GPU; the weights go over NCCL after each update (the actor's update
+    refuses a batch from any other version), and the rollout's probabilities stay near the trainer's."""
+    from mlflow import MlflowClient
+
+    train(tmp_path, "placement.own_pool=[rollout]", "trainer.total_steps=2")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = MlflowClient(store(tmp_path))
+    [run] = client.search_runs([client.get_experiment_by_name("rlflow").experiment_id])
+    history = lambda key: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))  # noqa: E731
+    assert history("rollout/weight_version") == [(1, 0.0), (2, 1.0)]
+    assert all(v < 0.1 for _, v in history("training/rollout_probs_diff_mean"))

@@ -1,0 +1,123 @@
+"""The rollout stage: a rollout engine with its copy of the policy, and the `generate` verb.
+
+Hybrid placement (the default): the actor (stages/actor.py) owns one and refreshes it in place
+after every update. Split placement (`placement.own_pool=[rollout]`): a pool of these, rank r
+generating for the actor's data-parallel rank r, fed by the trainer over `engine.reshard`'s
+weight broadcast. Verbs: `generate`; split only: `connect` (once), `pull_weights` (collective
+with the actor's `push_weights` on every trainer rank and the other rollout ranks).
+
+Invariants:
+- sampling is seeded from (trainer.seed, step, rank // rollout.tp): the same request draws the
+  same samples in either placement, and a resumed step repeats them;
+- with `rollout.tp` > 1, `generate` is collective within each group of tp consecutive ranks of
+  its pool: the group generates all its ranks' prompts together, tensor parallel, and each rank
+  keeps its own;
+- `weight_version` is the actor's version of the weights this engine holds (0: the model
+  directory it was built from), and every Batch it generates carries it.
+
+Tests: tests/stages/test_actor.py (hybrid), tests/engine/test_reshard.py -k push (the weight
+broadcast), tests/pipelines/test_e2e.py -k split (split placement, same metrics as hybrid).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.batch import Batch, RolloutRequest
+from engine.config import Config
+from engine.native_model import TP
+from engine.reshard import WeightBroadcast
+from engine.rollout import SamplingParams, build_rollout, left_pad
+
+
+def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
+    width = max(1, max(len(r) for r in rows))
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
+def peak_memory(phase: str, metrics: dict[str, float]) -> None:
+    """`perf/max_memory_allocated_gb/<phase>`: this process's CUDA peak since the last phase ended."""
+    if torch.cuda.is_available():
+        metrics[f"perf/max_memory_allocated_gb/{phase}"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+
+
+class Rollout:
+    def __init__(self, cfg: Config, model_path: str, rank: int = 0, world: int = 1, device: str = "cpu") -> None:
+        self.cfg, self.rank, self.device = cfg, rank, torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        r = cfg.rollout
+        self.tp = TP.over_world(r.tp)  # a TP group generates the prompts of all its ranks at once
+        self.engine = build_rollout(r.backend, self.tokenizer, model_path, r.dtype, device,
+                                    cfg.data.max_prompt_tokens + r.max_new_tokens,
+                                    -(-cfg.data.prompts_per_step * r.samples_per_prompt // world) * r.tp,
+                                    r.kv_cache_memory, self.tp if r.tp > 1 else None)
+        self.weight_version = 0
+        self.link: WeightBroadcast | None = None
+
+    def generate(self, request: RolloutRequest) -> Batch:
+        start = time.perf_counter()
+        r = self.cfg.rollout
+        params = SamplingParams(
+            temperature=0.0 if request.greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
+            n=1 if request.greedy else request.samples or r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
+            stop_strings=r.stop_strings, seed=hash((self.cfg.trainer.seed, request.step, self.rank // r.tp)) % 2**31)
+        prompts, mine = self._tp_prompts([p.ids for p in request.prompts])
+        groups = self.engine.generate(prompts, params)[mine]
+        baseline = []
+        if self.cfg.algorithm.advantage == "remax" and not (request.greedy or request.samples):
+            # ReMax's baseline: one greedy answer per training prompt, scored by the reward stage.
+            greedy = self.engine.generate(prompts, replace(params, temperature=0.0, n=1))[mine]
+            baseline = self.tokenizer.batch_decode([g[0].token_ids for g in greedy], skip_special_tokens=True)
+        completions = [c for group in groups for c in group]
+        n = params.n
+        pids, pmask = left_pad([p.ids for p in request.prompts], self.tokenizer.pad_token_id)
+        expand = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        batch = Batch(
+            prompt_ids=pids.repeat_interleave(n, 0), prompt_mask=pmask.repeat_interleave(n, 0), group_size=n,
+            data_source=expand([p.data_source for p in request.prompts]),
+            ground_truth=expand([p.ground_truth for p in request.prompts]),
+            extra_info=expand([p.extra_info for p in request.prompts]),
+            response_ids=right_pad([c.token_ids for c in completions], self.tokenizer.pad_token_id, torch.long),
+            response_mask=right_pad([[1.0] * len(c.token_ids) for c in completions], 0.0, torch.float32),
+            rollout_logprobs=right_pad([c.logprobs for c in completions], 0.0, torch.float32),
+            finish_reason=[c.finish_reason for c in completions],
+            prompt_text=expand([p.text for p in request.prompts]),
+            responses=self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True),
+            baseline_responses=expand(baseline), step=request.step, weight_version=self.weight_version,
+        )
+        batch.timing["gen"] = time.perf_counter() - start
+        peak_memory("gen", batch.metrics)
+        return batch
+
+    def _tp_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
+        """(the prompts of every rank in this TP group, in rank order; where this rank's sit):
+        tensor-parallel ranks must generate the same batch together (collective in the group)."""
+        if self.tp.size == 1:
+            return prompts, slice(None)
+        every: list[list[list[int]]] = [[] for _ in range(self.tp.size)]
+        torch.distributed.all_gather_object(every, prompts, group=self.tp.group)
+        start = sum(len(x) for x in every[:self.tp.rank])
+        return [p for x in every for p in x], slice(start, start + len(prompts))
+
+    # -- split placement -------------------------------------------------------------------
+    def connect(self, host: str, port: int, size: int, shapes: list[tuple[str, list[int]]]) -> None:
+        """Join the weight group hosted by trainer rank 0 at host:port, as its rank 1 + this rank;
+        `shapes` is the trainer's push plan (`engine.reshard.weight_shapes`)."""
+        dtype = getattr(torch, self.cfg.rollout.dtype)
+        self.link = WeightBroadcast(host, port, 1 + self.rank, size, shapes, dtype, self.device)
+
+    def pull_weights(self, after: object = None) -> int:
+        """Take the trainer's weights (every rollout rank, with every actor rank's `push_weights`);
+        returns their version. `after` is the step-graph edge that orders it after the update."""
+        assert self.link is not None, "connect first"
+        self.weight_version = self.link.receive(self.engine)
+        return self.weight_version
