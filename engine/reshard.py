@@ -16,8 +16,9 @@ order on every rank:
     all_to_all_single(recv, send)      # the only communication, asynchronous
     copy each received block into its place in the rollout's parameters
 
-A bucket's copies wait for its collective while the next bucket packs and starts its own, so
-packing overlaps communication. No rank ever holds more than two buckets beyond its own shard
+Rows a rank needs from its own shard skip the buffers: they are copied into place while the
+bucket's collective runs. A bucket's copies wait for its collective while the next bucket packs
+and starts its own, so packing overlaps communication. No rank ever holds more than two buckets beyond its own shard
 and its own rollout piece. With
 t = 1 every rank needs every weight, and the all_to_all moves what an all-gather would (the floor).
 
@@ -142,20 +143,24 @@ class Resharder:
         for target in self.zeros:
             self.target[target].zero_()
         flying = None  # the previous bucket: its copies in wait for its collective, while this one's packs
-        for out, inc, out_splits, in_splits in self.moves:
+        for out, inc, own, out_splits, in_splits in self.moves:
             sent = self._send(out, out_splits, in_splits)
+            for b in own:  # rows this rank keeps go straight from its shard into place
+                self._place(b, self._local_rows(b))
             if flying:
                 self._receive(*flying)
             flying = (inc, *sent)
         if flying:
             self._receive(*flying)
 
-    def _arrange(self, bucket: list[Block]) -> tuple[list[Block], list[Block], list[int], list[int]]:
-        """This rank's part of a bucket: the blocks it sends (by destination) and receives (by
-        source), in plan order within each rank, and the element counts per peer."""
-        out = sorted((b for b in bucket if b.src == self.rank), key=lambda b: b.dst)  # stable: plan order
-        inc = sorted((b for b in bucket if b.dst == self.rank), key=lambda b: b.src)
-        return out, inc, self._splits(out, "dst"), self._splits(inc, "src")
+    def _arrange(self, bucket: list[Block]) -> tuple[list[Block], list[Block], list[Block], list[int], list[int]]:
+        """This rank's part of a bucket: the blocks it sends to peers (by destination), receives
+        from peers (by source) and keeps (its own rows it needs), in plan order within each
+        rank, and the element counts per peer."""
+        out = sorted((b for b in bucket if b.src == self.rank != b.dst), key=lambda b: b.dst)  # stable: plan order
+        inc = sorted((b for b in bucket if b.dst == self.rank != b.src), key=lambda b: b.src)
+        own = [b for b in bucket if b.src == b.dst == self.rank]
+        return out, inc, own, self._splits(out, "dst"), self._splits(inc, "src")
 
     def _send(self, out: list[Block], out_splits: list[int], in_splits: list[int]) -> tuple[torch.Tensor, Any]:
         """Pack this rank's outgoing blocks and start the bucket's all_to_all; (receive buffer, work)."""
@@ -177,11 +182,14 @@ class Resharder:
             work.wait()
         at = 0
         for b in inc:
-            dst = self.target[b.target]
-            rows = dst.narrow(0, b.row, b.rows[1] - b.rows[0])
-            n = rows.numel()
-            rows.copy_(recv[at:at + n].view(rows.shape))
+            n = b.numel(self.source[b.name].shape)
+            self._place(b, recv[at:at + n])
             at += n
+
+    def _place(self, b: Block, data: torch.Tensor) -> None:
+        """Block `b`'s rows (and columns), in `data`, into their place in the rollout's parameter."""
+        rows = self.target[b.target].narrow(0, b.row, b.rows[1] - b.rows[0])
+        rows.copy_(data.view(rows.shape))
 
     def _local_rows(self, b: Block) -> torch.Tensor:
         """This rank's rows (and columns) of block `b`, a view of its shard."""
