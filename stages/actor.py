@@ -77,7 +77,9 @@ class ActorRollout:
         return batch
 
     def _to_generation(self) -> None:
-        """Give generation the memory training holds only between updates (per config)."""
+        """Give generation the memory training holds only between updates: the gradients always
+        (the next step starts from zero), the optimizer state and KV cache per config."""
+        self.engine.optimizer.zero_grad(set_to_none=True)
         if self.cfg.actor.offload_optimizer:
             self.engine.offload()
         if self.cfg.rollout.free_cache and self.rollout:
