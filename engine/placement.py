@@ -5,7 +5,8 @@ cluster's nodes. `plan` fills the alive nodes in a fixed order (the driver's nod
 IP and node id), as many bundles on each as its free resources hold (its total ones when the free
 ones fall short), and every node used gets one STRICT_PACK placement group. Ranks follow that
 order: all ranks of the first node, then those of the next. A one-node cluster gets one group.
-Workers of a pool with more than one rank join one torch.distributed group.
+Workers of a pool with more than one rank join one torch.distributed group, unless the pool
+asks for none.
 
 Invariants:
 - a pool whose resources cannot be had fails with a clear error after `timeout_s`, never hangs;
@@ -55,7 +56,8 @@ def layout(bundle: dict[str, float], size: int) -> list[tuple[str, int]]:
 
 class Pool:
     def __init__(self, name: str, worker_cls: type, size: int, gpus: float, threads: int,
-                 timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 120.0, group: bool = True) -> None:
+        """`group`: the ranks (when more than one) join one torch.distributed group."""
         bundle = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
         self.name = name
         where = layout(bundle, size)
@@ -80,7 +82,7 @@ class Pool:
             ).remote(r, size, threads)
             for r, (g, i) in enumerate(slots)
         ]
-        if size > 1:
+        if size > 1 and group:
             host, port = ray.get(self.workers[0].address.remote())
             ray.get([w.init_process_group.remote(host, port) for w in self.workers])
 

@@ -87,7 +87,9 @@ class Stages:
             where = role if role in p.own_pool else "hybrid"
             if where not in self.pools:  # rule rewards need no GPU; a reward model does
                 gpus = 0.0 if where == "reward" and not cfg.reward.model else p.gpus_per_worker
-                self.pools[where] = Pool(where, StageWorker, p.workers, gpus, p.torch_threads)
+                # a split rollout pool needs a group only to generate tensor parallel; vLLM refuses one
+                group = where != "rollout" or cfg.rollout.tp > 1
+                self.pools[where] = Pool(where, StageWorker, p.workers, gpus, p.torch_threads, group=group)
             self.pools[where].add(role, cls, kwargs)
             self.roles[role] = where
         self.workers = p.workers

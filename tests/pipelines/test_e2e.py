@@ -304,3 +304,16 @@ def test_vllm_backend_gets_every_update(tmp_path):
     # step 2 samples with step 1's update: vLLM's probabilities still are the trainer's
     diffs = [v for _, v in metrics["training/rollout_probs_diff_max"]]
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
+def test_vllm_generates_for_two_trainer_ranks_in_split_placement(tmp_path):
+    # vLLM runs one engine per process and refuses a process group: a split rollout pool forms none
+    # (it needs one only for TP), so two data-parallel trainer ranks can use it
+    rlflow(tmp_path, "out", "rollout.backend=vllm", "placement.workers=2", "placement.own_pool=[rollout]",
+           "trainer.total_steps=2", "trainer.val_every=0", "trainer.dag=plain")
+    client, run = only_run(tmp_path)
+    metrics = history(client, run.info.run_id)
+    assert [v for _, v in metrics["rollout/weight_version"]] == [0, 1]
+    diffs = [v for _, v in metrics["training/rollout_probs_diff_max"]]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
