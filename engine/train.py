@@ -12,8 +12,11 @@ weights in each): one with fewer micro-batches runs zero-loss idle ones.
 Forward: with packing, a micro-batch's real tokens go end to end in one row, position ids
 restarting at 0 per sequence and no attention mask; transformers reads the sequence boundaries
 from the position ids (flash-attn's varlen kernels when installed, else SDPA with a
-block-diagonal causal mask). The lm_head runs a chunk of tokens at a time, so full fp32 logits
-[tokens, vocab] never exist; under autograd each chunk is recomputed in backward.
+block-diagonal causal mask). With `sp` > 1 (Ulysses sequence parallelism, engine/ulysses.py)
+groups of sp ranks take the same padded rows and each runs 1/sp of every row's tokens, FSDP2
+still spanning all ranks; each rank's logprobs (and so its loss) cover only its slice. The
+lm_head runs a chunk of tokens at a time, so full fp32 logits [tokens, vocab] never exist; under
+autograd each chunk is recomputed in backward.
 
 Invariants:
 - `logprobs` of the response equals what the rollout reported, up to kernel noise;
@@ -47,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
-from engine import algos
+from engine import algos, ulysses
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
@@ -145,25 +148,38 @@ def chunked_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: to
         return logp, (algos.entropy_from_logits(logits) if entropy else torch.zeros_like(logp))
 
     run = partial(checkpoint, stats, use_reentrant=False) if torch.is_grad_enabled() else stats
-    parts = [run(hidden[i:i + chunk], targets[i:i + chunk]) for i in range(0, len(hidden), chunk)]
-    if not parts:
-        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
+    # no tokens still runs the head (on none): its weight gets a (zero) gradient, as on other ranks
+    parts = [run(hidden[i:i + chunk], targets[i:i + chunk]) for i in range(0, max(len(hidden), 1), chunk)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 class Policy(nn.Module):
     """A HF causal LM behind one forward that returns response-token statistics. Under FSDP2 this
     is the root: its hooks unshard the embeddings, final norm and lm_head around the whole
-    forward (the chunked lm_head included) and reduce their gradients."""
+    forward (the chunked lm_head included) and reduce their gradients.
+
+    With an SP group (`sp_group`, set by the engine) it runs padded rows sequence-parallel
+    (engine/ulysses.py): each rank predicts only the response tokens `response_mask` gives it."""
 
     def __init__(self, lm: Any) -> None:
         super().__init__()
         self.lm = lm
+        self.sp_group: Any = None
+
+    def response_mask(self, mask: torch.Tensor, width: int) -> torch.Tensor:
+        """[n, R] bool: the response tokens of rows `mask` [n, L] whose logprobs this rank computes."""
+        valid = mask[:, -width:].bool()
+        return valid if self.sp_group is None else ulysses.owned(valid, mask.shape[1], self.sp_group)
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                 targets: torch.Tensor, temperature: float, pack: bool, entropy: bool,
                 chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = response_hidden(self.lm, ids, mask, positions, valid, pack)
+        if self.sp_group is None:
+            hidden = response_hidden(self.lm, ids, mask, positions, valid, pack)
+        elif pack:
+            raise ValueError("sequence parallelism runs padded rows, not packed ones")
+        else:
+            hidden = ulysses.response_hidden(self.lm, ids, mask, positions, valid, self.sp_group)
         return chunked_token_stats(self.lm.get_output_embeddings(), hidden, targets, temperature, entropy, chunk)
 
     def idle(self) -> torch.Tensor:
@@ -171,8 +187,8 @@ class Policy(nn.Module):
         gradient reductions without moving the weights."""
         device = next(self.parameters()).device
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)  # one prompt token, one response token
-        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-        logp, _ = self(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], valid, ids[0, 1:], 1.0,
+        valid = self.response_mask(torch.ones_like(ids), 1)
+        logp, _ = self(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], valid, ids[:, 1:][valid], 1.0,
                        False, False, LOGITS_CHUNK_TOKENS)
         return logp.sum() * 0.0
 
@@ -182,14 +198,15 @@ def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, position
                      chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's forward: response logprobs and entropies [n, R] in float32 on the model's
     device, 0 where the response is padding (entropy 0 unless asked for). `model` is a Policy
-    (a TrainEngine's `root`) or a plain HF causal LM.
+    (a TrainEngine's `root`) or a plain HF causal LM. Sequence-parallel, only this rank's tokens
+    (`Policy.response_mask`) are filled in.
     ids/mask/positions: [n, P+R]; responses: [n, R]."""
     if not isinstance(model, Policy) and isinstance(next(model.parameters()), DTensor):
         raise TypeError("an FSDP-sharded model runs forwards through its TrainEngine's `root`")
     policy = model if isinstance(model, Policy) else Policy(model)
     device = next(policy.parameters()).device
     ids, mask, positions, responses = (x.to(device) for x in (ids, mask, positions, responses))
-    valid = mask[:, -responses.shape[1]:].bool()  # [n, R]
+    valid = policy.response_mask(mask, responses.shape[1])  # [n, R]
     logp, ent = policy(ids, mask, positions, valid, responses[valid], temperature or 1.0, pack, entropy, chunk)
     zeros = torch.zeros(valid.shape, device=device)
     return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, ent)
@@ -223,6 +240,9 @@ def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positio
             logps[rows], ents[rows] = logp.cpu(), ent.cpu()
         for _ in range(in_step(model, len(chunks)) - len(chunks)):
             model.idle()
+    group = getattr(model, "sp_group", None)
+    if group is not None:  # each token came from one rank of the group: the sum is the whole rows
+        logps, ents = ulysses.sum_over(logps, group), ulysses.sum_over(ents, group)
     return logps, (ents if with_entropy else None)
 
 
@@ -246,21 +266,29 @@ class TrainEngine:
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
                  root: Any = None, checkpointing: bool = False, model_cls: Any = AutoModelForCausalLM,
-                 **model_kwargs: Any) -> None:
+                 sp: int = 1, **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
         (default `Policy`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
-        decoder layer's activations in backward instead of keeping them."""
+        decoder layer's activations in backward instead of keeping them; `sp` > 1 runs the Policy's
+        forwards sequence-parallel over groups of `sp` consecutive ranks, which must pass the same rows."""
         root = root or Policy
         self.device = torch.device(device)
         process_group(self.device)
-        self.model: Any = model_cls.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation=attn_implementation(self.device, DTYPES[dtype]),
-            **model_kwargs)
+        if sp > 1 and root is not Policy:
+            raise ValueError("sequence parallelism runs only the Policy root's forwards")
+        sp_group = ulysses.new_group(sp) if sp > 1 else None  # collective: before any other group
+        attn = ulysses.NAME if sp > 1 else attn_implementation(self.device, DTYPES[dtype])
+        self.model: Any = model_cls.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn,
+                                                    **model_kwargs)
+        if sp > 1:
+            ulysses.check_heads(self.model.config, sp)
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.root: Any = root(self.model)
+        if sp > 1:
+            self.root.sp_group = sp_group
         mesh = init_device_mesh(self.device.type, (dist.get_world_size(),))
         precision = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
         for layer in self.model.model.layers:

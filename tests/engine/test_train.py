@@ -212,3 +212,63 @@ def test_offload_reuses_its_pinned_buffers_and_round_trips_the_state(model_dir):
     engine.offload()
     engine.onload()
     assert all(torch.equal(a, b) for a, b in zip(engine._optimizer_tensors(), before))
+
+
+def _sp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dtype: str, out: str) -> None:
+    """Three optimizer steps on the same rows on every rank, sequence-parallel over all `world`
+    ranks; rank 0 saves losses, norms, first gradients and no-grad logprobs/entropies."""
+    import torch.distributed as dist
+
+    from engine.train import all_reduce_sum, response_logprobs
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    engine = TrainEngine(model_dir, 1e-3, 0.0, 1.0, 0, 10, "constant", dtype, device, sp=world)
+    ids, mask, pos, responses = padded_batch([3, 7, 1, 5], [6, 2, 9, 4])
+    ids, mask, pos = ids[:, 1:], mask[:, 1:], pos[:, 1:]  # 15 tokens: SP pads a 16th onto each row
+    denom = float(mask[:, -responses.shape[1]:].sum())
+
+    def loss(r):
+        logp, ent = forward_logprobs(engine.root, ids[r], mask[r], pos[r], responses[r], 0.7, False)
+        return -(logp.sum() + 0.1 * ent.sum()) / denom
+
+    losses, norms, grads = [], [], []
+    for step in range(3):
+        result = engine.step(lambda: [lambda r=r: loss(r) for r in (slice(0, 3), slice(3, 4))])
+        losses.append(all_reduce_sum(result["loss"]))
+        norms.append(result["grad_norm"])
+        if step == 0:
+            grads = [p.grad.full_tensor().float().cpu() for p in engine.root.parameters()]
+    logp, ent = response_logprobs(engine.root, ids, mask, pos, responses, 0.7, 30, with_entropy=True)
+    if rank == 0:
+        valid = mask[:, -responses.shape[1]:].bool()
+        torch.save({"losses": losses, "norms": norms, "grads": grads, "logp": logp, "ent": ent, "valid": valid}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs 2 GPUs")])])
+def test_sequence_parallel_over_two_ranks_matches_one(model_dir, tmp_path, device):
+    """Ulysses SP over 2 ranks (each half of every row's tokens, FSDP2 over both) trains like one
+    rank with whole rows: same losses over 3 steps, same first gradients, same no-grad logprobs
+    and entropies, on rows with left and right padding of different lengths and a length that
+    does not split evenly."""
+    import torch.multiprocessing as mp
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    runs = {}
+    for world in (1, 2):
+        out = str(tmp_path / f"world{world}.pt")
+        mp.spawn(_sp_worker, args=(world, _free_port(), str(model_dir), device, dtype, out), nprocs=world)
+        runs[world] = torch.load(out, weights_only=True)
+    rtol, atol = (1e-5, 1e-7) if dtype == "float32" else (2e-2, 2e-3)
+    torch.testing.assert_close(torch.tensor(runs[2]["losses"]), torch.tensor(runs[1]["losses"]), rtol=rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(runs[2]["norms"]), torch.tensor(runs[1]["norms"]), rtol=10 * rtol, atol=0)
+    for a, b in zip(runs[2]["grads"], runs[1]["grads"]):
+        torch.testing.assert_close(a, b, rtol=10 * rtol, atol=atol)
+    for key in ("logp", "ent"):
+        torch.testing.assert_close(runs[2][key], runs[1][key], rtol=10 * rtol, atol=10 * atol)
+    valid = runs[2]["valid"]  # both ranks' tokens are there, and no padding
+    assert torch.all(runs[2]["logp"][valid] < 0) and torch.all(runs[2]["logp"][~valid] == 0)
