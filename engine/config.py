@@ -77,6 +77,7 @@ class ActorConfig:
     entropy_coef: float = 0.0
     offload_optimizer: bool = False  # CUDA: optimizer state in pinned CPU memory while generating
     activation_checkpointing: bool = False  # recompute decoder layers in backward (actor and critic)
+    sp: int = 1  # Ulysses sequence parallel size: groups of sp workers train on slices of the same rows
 
 
 @dataclass
@@ -281,6 +282,21 @@ def _get(cfg: Config, key: str) -> Any:
     return node
 
 
+def _validate_sp(cfg: Config) -> None:
+    """Sequence parallelism slices padded rows that the group's workers share; a loss needing a
+    whole sequence's tokens on one rank (a per-sequence mean or ratio) cannot run on slices."""
+    a, workers = cfg.actor, cfg.placement.workers
+    if a.sp < 1 or workers % a.sp:
+        raise ConfigError(f"actor.sp={a.sp} must be >= 1 and divide placement.workers={workers}")
+    if a.sp == 1:
+        return
+    if a.pack_sequences:
+        raise ConfigError("actor.sp > 1 runs padded rows: set actor.pack_sequences=false")
+    if cfg.algorithm.name not in ("grpo", "ppo") or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo":
+        raise ConfigError(f"actor.sp > 1 trains grpo/ppo with a token-level loss; got algorithm.name="
+                          f"{cfg.algorithm.name}, actor.loss_agg={a.loss_agg}, actor.policy_loss={a.policy_loss}")
+
+
 def validate(cfg: Config) -> None:
     """Every check that can fail before work starts. Raises ConfigError naming the key."""
     for key, allowed in CHOICES.items():
@@ -304,6 +320,7 @@ def validate(cfg: Config) -> None:
     if a.mini_batch_prompts % p.workers:
         raise ConfigError(f"actor.mini_batch_prompts={a.mini_batch_prompts} does not split over "
                           f"placement.workers={p.workers}")
+    _validate_sp(cfg)
     longest = d.max_prompt_tokens + r.max_new_tokens
     if a.micro_batch_tokens_per_gpu < longest:
         raise ConfigError(f"actor.micro_batch_tokens_per_gpu={a.micro_batch_tokens_per_gpu} cannot hold one "

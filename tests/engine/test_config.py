@@ -67,6 +67,10 @@ def test_unknown_key_in_yaml(tmp_path):
     (["placement.own_pool=[rollout]", "placement.gpus_per_worker=0.5"], "NCCL connects no two ranks"),
     (["placement.own_pool=[rollout]", "rollout.free_cache=true"], "each has its own GPUs"),
     (["placement.own_pool=[rollout]", "actor.offload_optimizer=true"], "each has its own GPUs"),
+    ("actor.sp=2", "divide placement.workers=1"),
+    (["placement.workers=2", "actor.sp=2", "actor.pack_sequences=true"], "runs padded rows"),
+    (["placement.workers=2", "actor.sp=2", "actor.loss_agg=seq-mean-token-mean"], "token-level loss"),
+    (["placement.workers=2", "actor.sp=2", "actor.policy_loss=gspo"], "token-level loss"),
 ])
 def test_invalid_values_fail_before_work(override, message):
     with pytest.raises(ConfigError, match=message):
