@@ -118,7 +118,7 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
         print(f"warm-start: reusing {target}")
         return str(target)
     ws_cfg = sft_config(replace(
-        cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant"),
+        cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant", sp=1),
         data=replace(cfg.data, prompts_per_step=w.batch_size), placement=replace(cfg.placement, workers=1),
         trainer=replace(cfg.trainer, total_steps=w.steps)))
     rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them

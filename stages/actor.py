@@ -17,6 +17,9 @@ Invariants:
 - sampling is seeded from the step (stages/rollout.py): a resumed step draws the same samples;
 - a mini-batch holds whole prompt groups; losses divide by all-rank token/sequence counts so the
   update does not depend on how rows are split into micro-batches or ranks;
+- with `actor.sp` > 1 each SP group of workers gathers its members' rows and every member trains
+  on all of them, on its slice of each row's tokens (engine/ulysses.py): it counts only its own
+  tokens, and per-micro-batch metrics are made the group's, so numbers match sp=1;
 - `old_logprobs` are recomputed by the trainer; the rollout's own logprobs only feed the
   train/infer mismatch metrics;
 - with a critic (`algorithm.advantage=gae`) the policy does not move during the first
@@ -34,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
@@ -56,7 +60,8 @@ class ActorRollout:
         rl_steps = cfg.trainer.total_steps - cfg.critic.warmup_steps  # the policy waits while the critic warms up
         self.engine = TrainEngine(model_path, a.lr, a.weight_decay, a.grad_clip, a.warmup_steps,
                                   rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
-                                  a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing)
+                                  a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing,
+                                  sp=a.sp)
         # Split placement: the rollout pool generates; this process keeps no engine (nor its memory).
         self.rollout = None if "rollout" in cfg.placement.own_pool else Rollout(cfg, model_path, rank, world, device)
         self.sync_rollout = (lambda: None) if self.rollout is None else \
@@ -130,10 +135,14 @@ class ActorRollout:
                 not self.cfg.algorithm.kl_in_reward:
             batch.timing["old_log_prob"] = time.perf_counter() - start
             return batch
-        ids, mask, pos = batch.sequences()
-        batch.old_logprobs, _ = response_logprobs(
-            self.engine.root, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
+        members, me = self._group_batches(batch)
+        rows = batch if len(members) == 1 else Batch.cat(members)  # the SP group's rows, this rank's among them
+        ids, mask, pos = rows.sequences()
+        old, _ = response_logprobs(
+            self.engine.root, ids, mask, pos, rows.response_ids, self.cfg.rollout.temperature,
             self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
+        first = sum(len(m) for m in members[:me])
+        batch.old_logprobs = old[first:first + len(batch), :batch.response_ids.shape[1]]  # responses: right-padded
         diff = (batch.old_logprobs.exp() - batch.rollout_logprobs.exp()).abs()
         valid = batch.response_mask.bool()
         batch.metrics["training/rollout_probs_diff_mean"] = float(diff[valid].mean())
@@ -188,13 +197,26 @@ class ActorRollout:
         return {"metrics": {**batch_metrics(batch), **metrics}, "timing": batch.timing,
                 "samples": samples(batch, 4)}
 
+    def _group_batches(self, batch: Batch) -> tuple[list[Batch], int]:
+        """The batches of this rank's SP group in rank order (just `batch` without sequence
+        parallelism) and this rank's index among them: the group trains on all their rows."""
+        group = self.engine.root.sp_group
+        if group is None:
+            return [batch], 0
+        members: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(members, batch, group=group)
+        return members, dist.get_rank(group)
+
     def _ppo_epochs(self, batch: Batch) -> dict[str, float]:
         a = self.cfg.actor
         rows = a.mini_batch_prompts // self.world * batch.group_size
         stats: dict[str, list[float]] = {}
+        members, _ = self._group_batches(batch)
         for _ in range(a.ppo_epochs):
             for lo in range(0, len(batch), rows):
-                mini = batch.rows(slice(lo, lo + rows))
+                # an SP group's mini-batch: each member's rows of it (members hold equally many)
+                mini = batch.rows(slice(lo, lo + rows)) if len(members) == 1 else \
+                    Batch.cat([m.rows(slice(lo, lo + rows)) for m in members])
                 out = self.engine.step(partial(self._micro_losses, mini, stats))
                 for k in ("grad_norm", "lr"):
                     stats.setdefault(f"actor/{k}", []).append(out[k])
@@ -205,41 +227,66 @@ class ActorRollout:
         return {k: float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in stats.items()}
 
     def _micro_losses(self, mini: Batch, stats: dict[str, list[float]]) -> list:
-        a, mask = self.cfg.actor, mini.response_mask
-        seq_mode = a.loss_agg != "token-mean"
-        denom = all_reduce_sum(float(len(mini)) if seq_mode else float(mask.sum()))
+        a = self.cfg.actor
         ids, attn, pos = mini.sequences()
-        return [partial(self._loss, mini, r, ids, attn, pos, denom, stats)
+        # the response tokens this rank's loss covers: all, or with SP its slice's; so the all-rank
+        # token count below counts each token once (a row once: sp ranks hold it)
+        mask = mini.response_mask * self.engine.root.response_mask(attn, mini.response_ids.shape[1])
+        seq_mode = a.loss_agg != "token-mean"
+        denom = all_reduce_sum(float(len(mini)) / a.sp if seq_mode else float(mask.sum()))
+        return [partial(self._loss, mini, r, ids, attn, pos, mask, denom, stats)
                 for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)]
 
-    def _loss(self, mini: Batch, r: torch.Tensor, ids, attn, pos, denom: float, stats) -> torch.Tensor:
-        """One micro-batch's loss, computed on the model's device."""
+    def _loss(self, mini: Batch, r: torch.Tensor, ids, attn, pos, owned: torch.Tensor, denom: float,
+              stats) -> torch.Tensor:
+        """One micro-batch's loss over this rank's `owned` response tokens, computed on the model's device."""
         a = self.cfg.actor
         logp, entropy = forward_logprobs(self.engine.root, ids[r], attn[r], pos[r], mini.response_ids[r],
                                          self.cfg.rollout.temperature, a.pack_sequences)
         on = lambda x: x[r].to(logp.device)  # noqa: E731
-        mask = on(mini.response_mask)
+        mask = on(owned)
+        means: dict[str, float] = {}  # masked means over this rank's tokens; with SP, made the group's below
         if mini.old_logprobs.numel():
             old = on(mini.old_logprobs)
         else:  # on-policy: these weights generated the batch (see `logprobs`)
             old = logp.detach()
-            diff = (old.exp() - on(mini.rollout_logprobs).exp()).abs()[mask.bool()]
-            stats.setdefault("training/rollout_probs_diff_mean", []).append(float(diff.mean()))
-            stats.setdefault("training/rollout_probs_diff_max", []).append(float(diff.max()))
+            diff = (old.exp() - on(mini.rollout_logprobs).exp()).abs() * mask
+            means["training/rollout_probs_diff_mean"] = float(algos.masked_mean(diff, mask))
+            stats.setdefault("training/rollout_probs_diff_max", []).append(self._group_max(float(diff.max())))
         norm_len = self.cfg.rollout.max_new_tokens
         loss, m = algos.policy_loss(logp, old, on(mini.advantages), mask, a.clip_low,
                                     a.clip_high, a.dual_clip or None, a.loss_agg, denom, norm_len, a.policy_loss)
-        stats.setdefault("actor/entropy", []).append(float(algos.masked_mean(entropy.detach(), mask)))
+        means["actor/entropy"] = float(algos.masked_mean(entropy.detach(), mask))
         if a.entropy_coef:
             loss = loss - a.entropy_coef * algos.agg_loss(entropy, mask, a.loss_agg, denom, norm_len)
         if mini.ref_logprobs.numel():  # a reference stage ran
             kl = algos.kl_penalty(logp, on(mini.ref_logprobs), a.kl_loss_type)
-            stats.setdefault("actor/kl_loss", []).append(float(algos.masked_mean(kl.detach(), mask)))
+            means["actor/kl_loss"] = float(algos.masked_mean(kl.detach(), mask))
             if a.kl_loss_coef:
                 loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, a.loss_agg, denom, norm_len)
-        for k, v in m.items():
-            stats.setdefault(f"actor/{k}", []).append(float(v))
+        means.update({f"actor/{k}": float(v) for k, v in m.items()})  # masked means too (algos.policy_loss)
+        for k, v in self._group_means(means, float(mask.sum())).items():
+            stats.setdefault(k, []).append(v)
         return loss
+
+    def _group_means(self, means: dict[str, float], tokens: float) -> dict[str, float]:
+        """Masked means over this rank's `tokens` -> the same means over the SP group's tokens
+        (the whole rows, as without SP)."""
+        group = self.engine.root.sp_group
+        if group is None:
+            return means
+        t = torch.tensor([v * tokens for v in means.values()] + [tokens], dtype=torch.float64,
+                         device=self.engine.device)
+        dist.all_reduce(t, group=group)
+        return {k: float(v) for k, v in zip(means, t[:-1] / t[-1].clamp(min=1e-8))}
+
+    def _group_max(self, value: float) -> float:
+        group = self.engine.root.sp_group
+        if group is None:
+            return value
+        t = torch.tensor([value], device=self.engine.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
 
     def sft_update(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
         """One supervised optimizer step: next-token cross-entropy on the response tokens only, a

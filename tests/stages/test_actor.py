@@ -215,3 +215,59 @@ def test_dpo_loss_matches_a_direct_forward_and_ignores_micro_batching(model_dir)
     assert results[0][0]["reward_margin"] / 8 == pytest.approx(float(m["rewards/margin"]), rel=1e-4, abs=1e-6)
     changed = [k for k, v in actor.engine.model.state_dict().items() if not torch.equal(v, start[k])]
     assert changed, "the update must change the policy"
+
+
+def _sp_actor_worker(rank: int, world: int, port: int, overrides: list, model_dir: str, batch_file: str,
+                     out: str) -> None:
+    """Old logprobs and one update (two PPO epochs) of the rows in `batch_file`, split over
+    `world` workers that form one SP group; saves this rank's old logprobs and metrics."""
+    import torch.distributed as dist
+
+    from engine.batch import Batch
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    cfg = load_config(None, overrides + [f"placement.workers={world}", f"actor.sp={world}"])
+    actor = ActorRollout(cfg, model_dir, rank, world)
+    batch: Batch = torch.load(batch_file, weights_only=False)
+    half = len(batch) // world
+    mine = actor.logprobs(batch.rows(slice(rank * half, (rank + 1) * half)))
+    metrics = actor.update(mine)["metrics"]
+    torch.save({"old": mine.old_logprobs, "metrics": metrics}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_sequence_parallel_update_matches_one_worker(model_dir, data_files, tmp_path):
+    """actor.sp=2 over 2 workers (each with half the rows; the group trains on both halves, each
+    rank on half of every row's tokens) gives the old logprobs and update metrics of 1 worker
+    with all the rows, over two PPO epochs and several micro-batches (fp32)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    overrides = [f"reward.function={tmp_path}/length_reward.py:compute_score", "data.prompts_per_step=4",
+                 "actor.mini_batch_prompts=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+                 "data.max_prompt_tokens=16", "actor.ppo_epochs=2", "actor.entropy_coef=0.01", "actor.lr=1e-2",
+                 "actor.micro_batch_tokens_per_gpu=64"]
+    actor, reward = ActorRollout(load_config(None, overrides), str(model_dir)), Reward(load_config(None, overrides))
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
+    picked = list({len(p.ids): p for p in prompts}.values())[:4]  # prompts of different lengths: left padding
+    batch = actor.advantages(reward.score(actor.generate(RolloutRequest(picked, step=0))))
+    assert len(set(batch.response_mask.sum(1).tolist())) > 1 and len(set(batch.prompt_mask.sum(1).tolist())) > 1
+    torch.save(batch, tmp_path / "batch.pt")
+    runs = {}
+    for world in (1, 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = str(tmp_path / f"world{world}")
+        mp.spawn(_sp_actor_worker, args=(world, port, overrides, str(model_dir), str(tmp_path / "batch.pt"), out),
+                 nprocs=world)
+        runs[world] = [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+    torch.testing.assert_close(torch.cat([r["old"] for r in runs[2]]), runs[1][0]["old"], rtol=1e-5, atol=1e-6)
+    one, two = runs[1][0]["metrics"], runs[2][0]["metrics"]
+    keys = [k for k in one if k.startswith("actor/")]
+    assert {"actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm"} <= set(keys)
+    for k in keys:
+        assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
+    assert runs[2][1]["metrics"]["actor/entropy"] == pytest.approx(one["actor/entropy"], rel=1e-4)
