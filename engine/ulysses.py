@@ -31,7 +31,7 @@ from torch.distributed.nn.functional import all_to_all_single
 from transformers import AttentionInterface
 
 NAME = "ulysses"  # the attn_implementation of a model whose forwards run sequence-parallel
-_state: tuple[Any, torch.Tensor] | None = None  # (SP group, [B, S] bool mask of the full rows) during a forward
+_state: tuple[Any, torch.Tensor] | None = None  # (SP group, [B, 1, S, S] bool attention mask) during a forward
 
 
 def new_group(sp: int) -> Any:
@@ -72,8 +72,14 @@ def owned(valid: torch.Tensor, length: int, group: Any) -> torch.Tensor:
 
 @contextmanager
 def full_mask(mask: torch.Tensor, group: Any) -> Iterator[None]:
+    """Every attention layer inside sees the rows of `mask` [B, S] (full length, padded to a
+    multiple of sp): causal over global positions with padded keys hidden. A query also sees
+    itself, so a padding query (nothing else to see) gets a finite output instead of NaN; no
+    real token reads it. Built once per forward, not per layer."""
     global _state
-    _state = (group, mask.bool())
+    idx = torch.arange(mask.shape[1], device=mask.device)
+    allowed = ((idx[None, :] <= idx[:, None]) & mask.bool()[:, None, :]) | (idx[None, :] == idx[:, None])
+    _state = (group, allowed[:, None])  # [B, 1, S, S]
     try:
         yield
     finally:
@@ -121,14 +127,12 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     [B, S/sp, heads, D]."""
     if _state is None:
         raise RuntimeError("a 'ulysses' attention runs only inside ulysses.full_mask (the trainer's forward)")
-    group, mask = _state  # mask: [B, S]
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("sequence parallelism has no sliding-window attention")
+    group, allowed = _state  # [B, 1, S, S]
     q, k, v = (_seq_to_heads(x, group) for x in (query, key, value))
     k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))  # GQA: chunks keep the grouping
-    idx = torch.arange(q.shape[2], device=q.device)
-    # causal over global positions, padded keys hidden; a query sees itself, so a padding query
-    # (nothing else to see) gets a finite output instead of NaN; no real token reads it
-    allowed = ((idx[None, :] <= idx[:, None]) & mask[:, None, :]) | (idx[None, :] == idx[:, None])  # [B, S, S]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scaling,
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling,
                                          dropout_p=dropout if module.training else 0.0)
     return _heads_to_seq(out, group), None
 

@@ -272,3 +272,13 @@ def test_sequence_parallel_over_two_ranks_matches_one(model_dir, tmp_path, devic
         torch.testing.assert_close(runs[2][key], runs[1][key], rtol=10 * rtol, atol=10 * atol)
     valid = runs[2]["valid"]  # both ranks' tokens are there, and no padding
     assert torch.all(runs[2]["logp"][valid] < 0) and torch.all(runs[2]["logp"][~valid] == 0)
+
+
+def test_sequence_parallel_needs_sp_to_divide_the_kv_heads():
+    from types import SimpleNamespace
+
+    from engine import ulysses
+
+    ulysses.check_heads(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), 2)
+    with pytest.raises(ValueError, match="key/value heads \\(2\\)"):
+        ulysses.check_heads(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), 4)
