@@ -214,9 +214,11 @@ def test_offload_reuses_its_pinned_buffers_and_round_trips_the_state(model_dir):
     assert all(torch.equal(a, b) for a, b in zip(engine._optimizer_tensors(), before))
 
 
-def _sp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dtype: str, out: str) -> None:
-    """Three optimizer steps on the same rows on every rank, sequence-parallel over all `world`
-    ranks; rank 0 saves losses, norms, first gradients and no-grad logprobs/entropies."""
+def _sp_worker(rank: int, world: int, sp: int, port: int, model_dir: str, device: str, dtype: str,
+               out: str) -> None:
+    """Three optimizer steps on fixed rows, sequence-parallel in groups of `sp` ranks (a group's
+    ranks get the same rows; with two groups, the second gets fewer micro-batches and runs an idle
+    forward); rank 0 saves losses, norms, first gradients and no-grad logprobs/entropies."""
     import torch.distributed as dist
 
     from engine.train import all_reduce_sum, response_logprobs
@@ -225,7 +227,7 @@ def _sp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dt
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
-    engine = TrainEngine(model_dir, 1e-3, 0.0, 1.0, 0, 10, "constant", dtype, device, sp=world)
+    engine = TrainEngine(model_dir, 1e-3, 0.0, 1.0, 0, 10, "constant", dtype, device, sp=sp)
     ids, mask, pos, responses = padded_batch([3, 7, 1, 5], [6, 2, 9, 4])
     ids, mask, pos = ids[:, 1:], mask[:, 1:], pos[:, 1:]  # 15 tokens: SP pads a 16th onto each row
     denom = float(mask[:, -responses.shape[1]:].sum())
@@ -234,9 +236,11 @@ def _sp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dt
         logp, ent = forward_logprobs(engine.root, ids[r], mask[r], pos[r], responses[r], 0.7, False)
         return -(logp.sum() + 0.1 * ent.sum()) / denom
 
+    plans = {1: [[slice(0, 3), slice(3, 4)]], 2: [[slice(0, 2), slice(2, 3)], [slice(3, 4)]]}  # by group count
+    mine = plans[world // sp][rank // sp]
     losses, norms, grads = [], [], []
     for step in range(3):
-        result = engine.step(lambda: [lambda r=r: loss(r) for r in (slice(0, 3), slice(3, 4))])
+        result = engine.step(lambda: [lambda r=r: loss(r) for r in mine])
         losses.append(all_reduce_sum(result["loss"]))
         norms.append(result["grad_norm"])
         if step == 0:
@@ -248,30 +252,32 @@ def _sp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dt
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="needs 2 GPUs")])])
-def test_sequence_parallel_over_two_ranks_matches_one(model_dir, tmp_path, device):
-    """Ulysses SP over 2 ranks (each half of every row's tokens, FSDP2 over both) trains like one
-    rank with whole rows: same losses over 3 steps, same first gradients, same no-grad logprobs
-    and entropies, on rows with left and right padding of different lengths and a length that
-    does not split evenly."""
+@pytest.mark.parametrize("device,world", [("cpu", 2), ("cpu", 4), pytest.param("cuda", 2, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")])])
+def test_sequence_parallel_matches_one_rank(model_dir, tmp_path, device, world):
+    """Ulysses SP in groups of 2 ranks (each half of every row's tokens, FSDP2 over all ranks;
+    with 4 ranks, two data-parallel groups of unequal micro-batch counts) trains like one rank
+    with whole rows: same losses over 3 steps, same first gradients, same no-grad logprobs and
+    entropies, on rows with left and right padding of different lengths and a length that does
+    not split evenly."""
     import torch.multiprocessing as mp
 
     dtype = "bfloat16" if device == "cuda" else "float32"
-    runs = {}
-    for world in (1, 2):
-        out = str(tmp_path / f"world{world}.pt")
-        mp.spawn(_sp_worker, args=(world, _free_port(), str(model_dir), device, dtype, out), nprocs=world)
-        runs[world] = torch.load(out, weights_only=True)
+    runs = []
+    for n, sp in ((1, 1), (world, 2)):
+        out = str(tmp_path / f"world{n}.pt")
+        mp.spawn(_sp_worker, args=(n, sp, _free_port(), str(model_dir), device, dtype, out), nprocs=n)
+        runs.append(torch.load(out, weights_only=True))
+    one, sp = runs
     rtol, atol = (1e-5, 1e-7) if dtype == "float32" else (2e-2, 2e-3)
-    torch.testing.assert_close(torch.tensor(runs[2]["losses"]), torch.tensor(runs[1]["losses"]), rtol=rtol, atol=0)
-    torch.testing.assert_close(torch.tensor(runs[2]["norms"]), torch.tensor(runs[1]["norms"]), rtol=10 * rtol, atol=0)
-    for a, b in zip(runs[2]["grads"], runs[1]["grads"]):
+    torch.testing.assert_close(torch.tensor(sp["losses"]), torch.tensor(one["losses"]), rtol=rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(sp["norms"]), torch.tensor(one["norms"]), rtol=10 * rtol, atol=0)
+    for a, b in zip(sp["grads"], one["grads"]):
         torch.testing.assert_close(a, b, rtol=10 * rtol, atol=atol)
     for key in ("logp", "ent"):
-        torch.testing.assert_close(runs[2][key], runs[1][key], rtol=10 * rtol, atol=10 * atol)
-    valid = runs[2]["valid"]  # both ranks' tokens are there, and no padding
-    assert torch.all(runs[2]["logp"][valid] < 0) and torch.all(runs[2]["logp"][~valid] == 0)
+        torch.testing.assert_close(sp[key], one[key], rtol=10 * rtol, atol=10 * atol)
+    valid = sp["valid"]  # both ranks' tokens are there, and no padding
+    assert torch.all(sp["logp"][valid] < 0) and torch.all(sp["logp"][~valid] == 0)
 
 
 def test_sequence_parallel_needs_sp_to_divide_the_kv_heads():
