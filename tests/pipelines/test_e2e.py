@@ -317,3 +317,14 @@ def test_vllm_generates_for_two_trainer_ranks_in_split_placement(tmp_path):
     assert [v for _, v in metrics["rollout/weight_version"]] == [0, 1]
     diffs = [v for _, v in metrics["training/rollout_probs_diff_max"]]
     assert len(diffs) == 2 and max(diffs) < 1e-4, diffs
+
+
+def test_sequence_parallel_training_agrees_with_the_rollout(tmp_path):
+    # two ranks train as one SP group of 2 (each half of every row's tokens): the trainer's
+    # probabilities of what the rollout sampled must still be the engine's own, and the update runs
+    rlflow(tmp_path, "out", "placement.workers=2", "actor.sp=2", "trainer.total_steps=2", "trainer.val_every=0")
+    client, run = only_run(tmp_path)
+    metrics = history(client, run.info.run_id)
+    assert [step for step, _ in metrics["actor/pg_loss"]] == [1, 2]
+    diff = metrics["training/rollout_probs_diff_max"]
+    assert max(v for _, v in diff) < 1e-5, diff
