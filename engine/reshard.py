@@ -120,21 +120,13 @@ class Resharder:
                                     if b.src != self.rank) * self.dtype.itemsize  # what crosses a link
 
     def _plan(self, needs: list[dict[str, tuple[str, Cut] | None]], bucket_bytes: int) -> list[list[Block]]:
-        """Blocks of consecutive parameters, cut into buckets of at most `bucket_bytes` of full
-        tensors (a lone bigger tensor gets its own)."""
-        buckets: list[list[Block]] = [[]]
-        size = 0
-        for name, p in self.source.items():
-            full = p.numel() * self.dtype.itemsize
-            if size and size + full > bucket_bytes:
-                buckets.append([])
-                size = 0
-            size += full
-            for dst, need in enumerate(needs):
-                placed = need[name]
-                if placed is not None and not placed[1].zero:
-                    buckets[-1] += blocks_for(name, p.shape, placed[0], placed[1], dst, self.world,
-                                              isinstance(p, DTensor))
+        """Blocks of consecutive parameters, in the buckets `buckets_of` cuts."""
+        shapes = [(name, list(p.shape)) for name, p in self.source.items()]
+        buckets = [[b for name, shape in bucket for dst, need in enumerate(needs)
+                    if (placed := need[name]) is not None and not placed[1].zero
+                    for b in blocks_for(name, torch.Size(shape), placed[0], placed[1], dst, self.world,
+                                        isinstance(self.source[name], DTensor))]
+                   for bucket in buckets_of(shapes, self.dtype.itemsize, bucket_bytes)]
         return [b for b in buckets if b]
 
     @torch.no_grad()
@@ -267,6 +259,9 @@ class WeightBroadcast:
         store = dist.PrefixStore("rollout-weights", self.store)
         self.group = _group(store, rank, size, device, timeout)
 
+    def _buffer(self, bucket: list[tuple[str, list[int]]]) -> torch.Tensor:
+        return torch.empty(sum(torch.Size(s).numel() for _, s in bucket), dtype=self.dtype, device=self.device)
+
     def _broadcast(self, t: torch.Tensor) -> None:
         self.group.broadcast([t], dist.BroadcastOptions()).wait()  # root 0: trainer rank 0
 
@@ -275,7 +270,7 @@ class WeightBroadcast:
         """Rank 0: broadcast `version`, then `tensors` (the trainer's, in plan order) bucket by bucket."""
         self._broadcast(torch.tensor([version], dtype=torch.int64, device=self.device))
         for bucket in self.buckets:
-            buffer = torch.empty(sum(torch.Size(s).numel() for _, s in bucket), dtype=self.dtype, device=self.device)
+            buffer = self._buffer(bucket)
             at = 0
             for name, shape in bucket:
                 got, tensor = next(tensors)
@@ -291,7 +286,7 @@ class WeightBroadcast:
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast(version)
         for bucket in self.buckets:
-            buffer = torch.empty(sum(torch.Size(s).numel() for _, s in bucket), dtype=self.dtype, device=self.device)
+            buffer = self._buffer(bucket)
             self._broadcast(buffer)
             views, at = [], 0
             for name, shape in bucket:
