@@ -46,9 +46,17 @@ class TP:
         ranks; collective: every rank makes every group, in the same order."""
         if size == 1:
             return cls()
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        groups = [torch.distributed.new_group(list(range(g, g + size))) for g in range(0, world, size)]
-        return cls(rank % size, size, groups[rank // size])
+        return cls(torch.distributed.get_rank() % size, size, consecutive_group(size))
+
+
+def consecutive_group(size: int) -> Any:
+    """This rank's group when the default group splits into groups of `size` consecutive ranks;
+    collective: every rank makes every group, in the same order, as `new_group` requires."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if world % size:
+        raise ValueError(f"group size {size} does not divide the world size {world}")
+    groups = [torch.distributed.new_group(list(range(g, g + size))) for g in range(0, world, size)]
+    return groups[rank // size]
 
 
 @dataclass(frozen=True)

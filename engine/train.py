@@ -51,6 +51,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
 from engine import algos, ulysses
+from engine.native_model import consecutive_group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
@@ -276,7 +277,7 @@ class TrainEngine:
         process_group(self.device)
         if sp > 1 and root is not Policy:
             raise ValueError("sequence parallelism runs only the Policy root's forwards")
-        sp_group = ulysses.new_group(sp) if sp > 1 else None  # collective: before any other group
+        sp_group = consecutive_group(sp) if sp > 1 else None  # collective: before any other group
         attn = ulysses.NAME if sp > 1 else attn_implementation(self.device, DTYPES[dtype])
         self.model: Any = model_cls.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn,
                                                     **model_kwargs)

@@ -34,20 +34,6 @@ NAME = "ulysses"  # the attn_implementation of a model whose forwards run sequen
 _state: tuple[Any, torch.Tensor] | None = None  # (SP group, [B, 1, S, S] bool attention mask) during a forward
 
 
-def new_group(sp: int) -> Any:
-    """This rank's SP group: ranks [k*sp, (k+1)*sp). Every rank creates every group, in order,
-    as `dist.new_group` requires."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % sp:
-        raise ValueError(f"sequence parallel size {sp} does not divide the world size {world}")
-    mine = None
-    for first in range(0, world, sp):
-        group = dist.new_group(list(range(first, first + sp)))
-        if first <= rank < first + sp:
-            mine = group
-    return mine
-
-
 def check_heads(config: Any, sp: int) -> None:
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % sp or kv % sp:
