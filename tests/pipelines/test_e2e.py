@@ -125,14 +125,15 @@ def test_eval_of_the_run_directory_matches_the_final_validation(compiled_run):
     assert 0 <= m["eval/arith/pass_at_1"] <= m["eval/arith/pass_at_2"] <= m["eval/arith/pass_at_4"] <= 1
 
 
+def steady_history(tmp_path: Path) -> dict[str, list[tuple[int, float]]]:
+    """The only run's metric history under `tmp_path`, without the ones that vary run to run."""
+    client, run = only_run(tmp_path)
+    return {k: v for k, v in history(client, run.info.run_id).items() if not k.startswith(NOISY)}
+
+
 def test_plain_mode_gives_identical_metrics(compiled_run, tmp_path):
     rlflow(tmp_path, "out", "trainer.dag=plain")
-    _, compiled = only_run(compiled_run)
-    client, plain = only_run(tmp_path)
-    a = {k: v for k, v in history(MlflowClient(f"sqlite:///{compiled_run}/mlflow.db"), compiled.info.run_id).items()
-         if not k.startswith(NOISY)}
-    b = {k: v for k, v in history(client, plain.info.run_id).items() if not k.startswith(NOISY)}
-    assert a == b
+    assert steady_history(compiled_run) == steady_history(tmp_path)
 
 
 def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_path):
@@ -142,18 +143,14 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
     weights before its first generation."""
     split = ("placement.own_pool=[rollout]",)
     rlflow(tmp_path, "out", *split)
-    _, hybrid = only_run(compiled_run)
-    client, run = only_run(tmp_path)
-    want = {k: v for k, v in history(MlflowClient(f"sqlite:///{compiled_run}/mlflow.db"), hybrid.info.run_id).items()
-            if not k.startswith(NOISY)}
-    got = {k: v for k, v in history(client, run.info.run_id).items() if not k.startswith(NOISY)}
-    assert got == want
+    got = steady_history(tmp_path)
+    assert got == steady_history(compiled_run)
     assert got["rollout/weight_version"] == [(1, 0.0), (2, 1.0), (3, 2.0)]
 
     resumed = rlflow(tmp_path, "out", *split, "trainer.total_steps=4", "trainer.val_every=0", "trainer.dag=plain",
                      "placement.workers=2")
     assert "at step 3" in resumed.stdout
-    after = {k: dict(v) for k, v in history(client, run.info.run_id).items()}
+    after = {k: dict(v) for k, v in steady_history(tmp_path).items()}
     assert after["rollout/weight_version"][4] == 3  # the checkpoint's version, pushed at load
     assert after["training/rollout_probs_diff_max"][4] < 1e-4  # and its weights, not the initial ones
 
