@@ -11,10 +11,12 @@ weights in each): one with fewer micro-batches runs zero-loss idle ones.
 
 Forward: with packing, a micro-batch's real tokens go end to end in one row, position ids
 restarting at 0 per sequence and no attention mask; transformers reads the sequence boundaries
-from the position ids (flash-attn's varlen kernels when installed, else SDPA with a
-block-diagonal causal mask). With `sp` > 1 (Ulysses sequence parallelism, engine/ulysses.py)
-groups of sp ranks take the same padded rows and each runs 1/sp of every row's tokens, FSDP2
-still spanning all ranks; each rank's logprobs (and so its loss) cover only its slice. The
+from the position ids. On CUDA the attention runs each sequence alone, through flash-attn's varlen
+kernels when installed, else PyTorch's own (engine/varlen.py, padded rows unpadded the same
+way); on the CPU, SDPA with a block-diagonal causal mask. With `sp` > 1 (Ulysses sequence
+parallelism, engine/ulysses.py) groups of sp ranks take the same padded rows and each runs
+1/sp of every row's tokens, FSDP2 still spanning all ranks; each rank's logprobs (and so its
+loss) cover only its slice. The
 lm_head runs a chunk of tokens at a time, so full fp32 logits [tokens, vocab] never exist; under
 autograd each chunk is recomputed in backward.
 
@@ -50,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
-from engine import algos, ulysses
+from engine import algos, ulysses, varlen
 from engine.native_model import consecutive_group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -116,10 +118,11 @@ def all_reduce_sum(value: float) -> float:
 
 
 def attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
-    """flash-attn takes packed rows as varlen sequences; without it, SDPA with a block mask."""
+    """Unpadded attention where a kernel exists for it (flash-attn's, else PyTorch's varlen on
+    CUDA in half precision); otherwise SDPA, which runs a packed row with a block mask."""
     if device.type == "cuda" and dtype != torch.float32 and is_flash_attn_2_available():
         return "flash_attention_2"
-    return "sdpa"
+    return varlen.NAME if varlen.available(device, dtype) else "sdpa"
 
 
 def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

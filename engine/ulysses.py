@@ -11,9 +11,11 @@ Invariants:
 - every response token is predicted on exactly one rank of the group (`owned`): a rank's loss
   and counts cover its own slice, so FSDP's gradient sum over all ranks adds the slices up to
   the gradient of the whole rows;
-- the attention mask is causal over global positions plus the full sequence's key padding,
-  stashed by `full_mask` for the forward; transformers builds no mask of its own for the
-  "ulysses" implementation (an implementation without a mask function gets none);
+- each row's real tokens attend causally among themselves, the rows' padding mask being
+  stashed by `full_mask` for the forward: on CUDA in half precision through PyTorch's varlen
+  kernel (engine/varlen.py, no [S, S] mask), else SDPA with a causal key-padding mask;
+  transformers builds no mask of its own for the "ulysses" implementation (an implementation
+  without a mask function gets none);
 - heads are cut in contiguous chunks, so with GQA query head h still reads kv head
   h // (heads / kv_heads): sp must divide the kv heads.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,8 +33,27 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 from transformers import AttentionInterface
 
+from engine import varlen
+
 NAME = "ulysses"  # the attn_implementation of a model whose forwards run sequence-parallel
-_state: tuple[Any, torch.Tensor] | None = None  # (SP group, [B, 1, S, S] bool attention mask) during a forward
+_state: _Forward | None = None  # set during a sequence-parallel forward
+
+
+@dataclass
+class _Forward:
+    group: Any  # the SP group
+    mask: torch.Tensor  # [B, S] bool: the real tokens of the full (padded to sp) rows
+    allowed: torch.Tensor | None = None  # [B, 1, S, S] bool SDPA mask, built on first use
+
+    def sdpa_mask(self) -> torch.Tensor:
+        """Causal over global positions with padded keys hidden. A query also sees itself, so a
+        padding query (nothing else to see) gets a finite output instead of NaN; no real token
+        reads it. Built once per forward, not per layer."""
+        if self.allowed is None:
+            idx = torch.arange(self.mask.shape[1], device=self.mask.device)
+            self.allowed = (((idx[None, :] <= idx[:, None]) & self.mask[:, None, :])
+                            | (idx[None, :] == idx[:, None]))[:, None]
+        return self.allowed
 
 
 def check_heads(config: Any, sp: int) -> None:
@@ -59,13 +81,9 @@ def owned(valid: torch.Tensor, length: int, group: Any) -> torch.Tensor:
 @contextmanager
 def full_mask(mask: torch.Tensor, group: Any) -> Iterator[None]:
     """Every attention layer inside sees the rows of `mask` [B, S] (full length, padded to a
-    multiple of sp): causal over global positions with padded keys hidden. A query also sees
-    itself, so a padding query (nothing else to see) gets a finite output instead of NaN; no
-    real token reads it. Built once per forward, not per layer."""
+    multiple of sp): each row's real tokens attend causally among themselves."""
     global _state
-    idx = torch.arange(mask.shape[1], device=mask.device)
-    allowed = ((idx[None, :] <= idx[:, None]) & mask.bool()[:, None, :]) | (idx[None, :] == idx[:, None])
-    _state = (group, allowed[:, None])  # [B, 1, S, S]
+    _state = _Forward(group, mask.bool())
     try:
         yield
     finally:
@@ -115,13 +133,14 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         raise RuntimeError("a 'ulysses' attention runs only inside ulysses.full_mask (the trainer's forward)")
     if kwargs.get("sliding_window"):
         raise NotImplementedError("sequence parallelism has no sliding-window attention")
-    group, allowed = _state  # [B, 1, S, S]
-    q, k, v = (_seq_to_heads(x, group) for x in (query, key, value))
-    k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))  # GQA: chunks keep the grouping
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0)
-    return _heads_to_seq(out, group), None
-
+    q, k, v = (_seq_to_heads(x, _state.group) for x in (query, key, value))  # [B, h/sp, S, D]
+    if varlen.available(q.device, q.dtype):  # only the real tokens, no [S, S] mask
+        out = varlen.causal(q, k, v, None, _state.mask, scaling).transpose(1, 2)
+    else:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))  # GQA: chunks keep the grouping
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=_state.sdpa_mask(), scale=scaling,
+                                             dropout_p=dropout if module.training else 0.0)
+    return _heads_to_seq(out, _state.group), None
 
 def sum_over(x: torch.Tensor, group: Any) -> torch.Tensor:
     """x (on the CPU) summed over the group, on the CPU: no-grad per-rank parts into whole rows."""

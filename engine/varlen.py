@@ -1,0 +1,108 @@
+"""Attention over unpadded sequences on PyTorch's own flash-attention kernel
+(`torch.nn.attention.varlen`), for CUDA machines without the flash-attn package.
+
+A model loaded with attn_implementation="varlen" runs every sequence of a forward as its own
+causal block, found from what transformers hands the attention layer:
+- a packed row (no attention mask, sequences end to end): a sequence starts where the
+  position ids restart at 0;
+- padded rows: the 2-D padding mask (the same one flash-attn's mask function gives), whose
+  real tokens are each row's sequence, prompt left- and response right-padded.
+Only real tokens go through the kernel, so neither form computes a [T, T] score matrix or a
+block-diagonal mask; padding positions come out as zeros.
+
+Invariants:
+- outputs equal SDPA's on the same rows (up to kernel rounding), packed or padded;
+- a forward with a KV cache (query and key lengths differ) is refused: this is the trainer's
+  and the reference's attention, not generation's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+NAME = "varlen"
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch before 2.10
+    varlen_attn = None  # type: ignore[assignment]
+_PARAMS: Mapping[str, Any] = inspect.signature(varlen_attn).parameters if varlen_attn is not None else {}
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernel exists for CUDA in half precision."""
+    return varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def sequences(position_ids: torch.Tensor | None,
+              mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    """(flat indices of the real tokens, or None for all of them; cumulative sequence starts [N+1]
+    int32; the longest sequence) of rows [B, S]: from the padding mask [B, S] when there is one,
+    else from the position ids [B or 1, S], a sequence starting at every row start and wherever
+    they restart at 0."""
+    if mask is not None:
+        keep, lengths = mask.bool().flatten().nonzero().squeeze(1), mask.bool().sum(1, dtype=torch.int32)
+    else:
+        keep = None
+        assert position_ids is not None, "rows without a padding mask need their position ids"
+        start = position_ids == 0
+        start[:, 0] = True
+        ends = torch.tensor([start.numel()], device=start.device)
+        lengths = torch.cat([start.flatten().nonzero().squeeze(1), ends]).diff().to(torch.int32)
+    return keep, torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)), int(lengths.max())
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+         scale: float | None) -> torch.Tensor:
+    """Causal varlen attention of q [T, heads, D] and k/v [T, kv_heads, D], across torch versions."""
+    if "enable_gqa" in _PARAMS:
+        extra: dict[str, Any] = {"enable_gqa": True}
+    else:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], 1) for x in (k, v))
+        extra = {}
+    if "is_causal" in _PARAMS:
+        extra["is_causal"] = True
+    else:
+        extra["window_size"] = (-1, 0)
+    if "scale" in _PARAMS:
+        extra["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9:
+        raise NotImplementedError("this torch's varlen attention takes only the default scale")
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **extra)  # type: ignore[return-value]  # no aux: a tensor
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: q [B, heads, S, D], k/v [B, kv_heads, S, D] -> [B, S, heads, D]."""
+    if varlen_attn is None:
+        raise RuntimeError("attn_implementation='varlen' needs torch >= 2.10 (torch.nn.attention.varlen)")
+    if kwargs.get("sliding_window"):
+        raise NotImplementedError("varlen attention has no sliding window")
+    if dropout and module.training:
+        raise NotImplementedError("varlen attention has no dropout")
+    if key.shape[2] != query.shape[2] or (attention_mask is not None and attention_mask.shape[-1] != key.shape[2]):
+        raise NotImplementedError("varlen attention runs whole sequences, not decoding against a cache")
+    return causal(query, key, value, kwargs["position_ids"], attention_mask, scaling), None
+
+
+def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor | None,
+           mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """Causal attention of each sequence (`sequences`) of rows q [B, heads, S, D], k/v
+    [B, kv_heads, S, D] -> [B, S, heads, D], zeros at padding."""
+    b, heads, s, d = query.shape
+    keep, cu, longest = sequences(None if position_ids is None else position_ids.expand(b, s), mask)
+    q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
+    if keep is None:
+        return _run(q, k, v, cu, longest, scale).view(b, s, heads, d)
+    out = _run(q[keep], k[keep], v[keep], cu, longest, scale)
+    return out.new_zeros(b * s, heads, d).index_copy(0, keep, out).view(b, s, heads, d)
+
+AttentionInterface.register(NAME, attention)  # models loaded with attn_implementation="varlen" call it
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)  # padded rows: the 2-D mask, or None

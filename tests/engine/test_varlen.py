@@ -1,0 +1,50 @@
+"""Unpadded attention on PyTorch's varlen kernel: where sequences start (CPU), and the trainer's
+forward through it against SDPA, packed and padded, values and gradients (CUDA)."""
+
+import pytest
+import torch
+from test_train import padded_batch
+from transformers import AutoModelForCausalLM
+
+from engine import varlen
+from engine.train import forward_logprobs
+
+
+def test_sequences_restart_at_position_zero_and_at_every_row():
+    keep, cu, longest = varlen.sequences(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]), None)
+    assert keep is None and cu.tolist() == [0, 3, 5, 9] and longest == 4 and cu.dtype == torch.int32
+    _, cu, longest = varlen.sequences(torch.arange(4).expand(2, 4), None)  # two unpadded rows
+    assert cu.tolist() == [0, 4, 8] and longest == 4
+    _, cu, _ = varlen.sequences(torch.tensor([[5, 6, 7], [8, 9, 10]]), None)  # rows start sequences, not only 0s
+    assert cu.tolist() == [0, 3, 6]
+
+
+def test_sequences_of_padded_rows_are_their_real_tokens():
+    mask = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]])
+    keep, cu, longest = varlen.sequences(torch.zeros(3, 5, dtype=torch.long), mask)
+    assert keep.tolist() == [1, 2, 3, 5, 6, 7, 8, 9, 12] and cu.tolist() == [0, 3, 8, 9] and longest == 5
+
+
+def test_varlen_is_chosen_only_where_its_kernel_runs():
+    assert not varlen.available(torch.device("cpu"), torch.bfloat16)
+    assert not varlen.available(torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_forward_matches_sdpa_packed_and_padded(model_dir, dtype):
+    """The trainer's logprobs, entropies and gradients with varlen attention, packed and padded,
+    against SDPA on padded rows; the gap is kernel rounding in half precision."""
+    ids, mask, pos, responses = padded_batch([3, 7, 1, 5, 12], [6, 2, 9, 4, 11])
+    runs = {}
+    for name, attn, pack in [("sdpa", "sdpa", False), ("padded", "varlen", False), ("packed", "varlen", True)]:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn).cuda()
+        logp, ent = forward_logprobs(model, ids, mask, pos, responses, 0.7, pack)
+        ((logp.sum() + 0.1 * ent.sum()) / mask.sum()).backward()
+        runs[name] = logp, ent, torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    valid = responses.cuda() != 0
+    for name in ("padded", "packed"):
+        for got, want in zip(runs[name], runs["sdpa"]):
+            scale = want.abs().max()
+            assert (got - want).abs().max() < 2e-2 * scale, name
+        assert torch.equal(runs[name][0] != 0, valid)  # every real response token, no padding
