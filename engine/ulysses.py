@@ -11,20 +11,17 @@ Invariants:
 - every response token is predicted on exactly one rank of the group (`owned`): a rank's loss
   and counts cover its own slice, so FSDP's gradient sum over all ranks adds the slices up to
   the gradient of the whole rows;
-- each row's real tokens attend causally among themselves, the rows' padding mask being
-  stashed by `full_mask` for the forward: on CUDA in half precision through PyTorch's varlen
-  kernel (engine/varlen.py, no [S, S] mask), else SDPA with a causal key-padding mask;
-  transformers builds no mask of its own for the "ulysses" implementation (an implementation
-  without a mask function gets none);
+- each row's real tokens attend causally among themselves: every layer gets the full rows'
+  padding mask [B, S] (as a prepared mask mapping, which transformers passes on untouched) and
+  the SP group (a layer keyword, kept by activation checkpointing for the recomputation); on
+  CUDA in half precision through PyTorch's varlen kernel (engine/varlen.py, no [S, S] mask),
+  else SDPA with a causal key-padding mask;
 - heads are cut in contiguous chunks, so with GQA query head h still reads kv head
   h // (heads / kv_heads): sp must divide the kv heads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,24 +33,14 @@ from transformers import AttentionInterface
 from engine import varlen
 
 NAME = "ulysses"  # the attn_implementation of a model whose forwards run sequence-parallel
-_state: _Forward | None = None  # set during a sequence-parallel forward
 
 
-@dataclass
-class _Forward:
-    group: Any  # the SP group
-    mask: torch.Tensor  # [B, S] bool: the real tokens of the full (padded to sp) rows
-    allowed: torch.Tensor | None = None  # [B, 1, S, S] bool SDPA mask, built on first use
-
-    def sdpa_mask(self) -> torch.Tensor:
-        """Causal over global positions with padded keys hidden. A query also sees itself, so a
-        padding query (nothing else to see) gets a finite output instead of NaN; no real token
-        reads it. Built once per forward, not per layer."""
-        if self.allowed is None:
-            idx = torch.arange(self.mask.shape[1], device=self.mask.device)
-            self.allowed = (((idx[None, :] <= idx[:, None]) & self.mask[:, None, :])
-                            | (idx[None, :] == idx[:, None]))[:, None]
-        return self.allowed
+def sdpa_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[B, S] real tokens -> [B, 1, S, S] bool: causal over global positions with padded keys
+    hidden. A query also sees itself, so a padding query (nothing else to see) gets a finite
+    output instead of NaN; no real token reads it."""
+    idx = torch.arange(mask.shape[1], device=mask.device)
+    return (((idx[None, :] <= idx[:, None]) & mask[:, None, :]) | (idx[None, :] == idx[:, None]))[:, None]
 
 
 def check_heads(config: Any, sp: int) -> None:
@@ -78,18 +65,6 @@ def owned(valid: torch.Tensor, length: int, group: Any) -> torch.Tensor:
     return valid & (at >= start) & (at < start + padded // dist.get_world_size(group))
 
 
-@contextmanager
-def full_mask(mask: torch.Tensor, group: Any) -> Iterator[None]:
-    """Every attention layer inside sees the rows of `mask` [B, S] (full length, padded to a
-    multiple of sp): each row's real tokens attend causally among themselves."""
-    global _state
-    _state = _Forward(group, mask.bool())
-    try:
-        yield
-    finally:
-        _state = None
-
-
 def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                     valid: torch.Tensor, group: Any) -> torch.Tensor:
     """Final hidden states [M, H] of this rank's slice at the positions that predict its M owned
@@ -98,8 +73,10 @@ def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions
     padded, start = local_span(length, group)
     ids, mask, positions = (F.pad(x, (0, padded - length)) for x in (ids, mask, positions))
     local = slice(start, start + padded // dist.get_world_size(group))
-    with full_mask(mask, group):
-        out = model.base_model(input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False)
+    # a prepared mask mapping goes to every layer as it is, and so does sp_group; activation
+    # checkpointing keeps both for the recomputation in backward
+    out = model.base_model(input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False,
+                           attention_mask={"full_attention": mask.bool()}, sp_group=group)
     predicts = torch.zeros(n, padded, dtype=torch.bool, device=ids.device)
     first = length - valid.shape[1] - 1
     predicts[:, first:first + valid.shape[1]] = valid
@@ -129,18 +106,19 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
               **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: q [B, heads, S/sp, D], k/v [B, kv_heads, S/sp, D] ->
     [B, S/sp, heads, D]."""
-    if _state is None:
-        raise RuntimeError("a 'ulysses' attention runs only inside ulysses.full_mask (the trainer's forward)")
+    group = kwargs.get("sp_group")
+    if group is None or attention_mask is None or attention_mask.dim() != 2:
+        raise RuntimeError("a 'ulysses' attention runs only in ulysses.response_hidden (the trainer's forward)")
     if kwargs.get("sliding_window"):
         raise NotImplementedError("sequence parallelism has no sliding-window attention")
-    q, k, v = (_seq_to_heads(x, _state.group) for x in (query, key, value))  # [B, h/sp, S, D]
+    q, k, v = (_seq_to_heads(x, group) for x in (query, key, value))  # [B, h/sp, S, D]
     if varlen.available(q.device, q.dtype):  # only the real tokens, no [S, S] mask
-        out = varlen.causal(q, k, v, None, _state.mask, scaling).transpose(1, 2)
+        out = varlen.causal(q, k, v, None, attention_mask, scaling).transpose(1, 2)
     else:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], 1) for x in (k, v))  # GQA: chunks keep the grouping
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=_state.sdpa_mask(), scale=scaling,
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(attention_mask), scale=scaling,
                                              dropout_p=dropout if module.training else 0.0)
-    return _heads_to_seq(out, _state.group), None
+    return _heads_to_seq(out, group), None
 
 def sum_over(x: torch.Tensor, group: Any) -> torch.Tensor:
     """x (on the CPU) summed over the group, on the CPU: no-grad per-rank parts into whole rows."""

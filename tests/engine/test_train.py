@@ -216,7 +216,8 @@ def test_offload_reuses_its_pinned_buffers_and_round_trips_the_state(model_dir):
 
 def _sp_worker(rank: int, world: int, sp: int, port: int, model_dir: str, device: str, dtype: str,
                out: str) -> None:
-    """Three optimizer steps on fixed rows, sequence-parallel in groups of `sp` ranks (a group's
+    """Three optimizer steps on fixed rows, sequence-parallel in groups of `sp` ranks with
+    activation checkpointing (a group's
     ranks get the same rows; with two groups, the second gets fewer micro-batches and runs an idle
     forward); rank 0 saves losses, norms, first gradients and no-grad logprobs/entropies."""
     import torch.distributed as dist
@@ -227,7 +228,9 @@ def _sp_worker(rank: int, world: int, sp: int, port: int, model_dir: str, device
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world)
-    engine = TrainEngine(model_dir, 1e-3, 0.0, 1.0, 0, 10, "constant", dtype, device, sp=sp)
+    # the SP run recomputes its layers in backward (activation checkpointing): the recomputation
+    # must see the same mask and group as the forward
+    engine = TrainEngine(model_dir, 1e-3, 0.0, 1.0, 0, 10, "constant", dtype, device, sp=sp, checkpointing=sp > 1)
     ids, mask, pos, responses = padded_batch([3, 7, 1, 5], [6, 2, 9, 4])
     ids, mask, pos = ids[:, 1:], mask[:, 1:], pos[:, 1:]  # 15 tokens: SP pads a 16th onto each row
     denom = float(mask[:, -responses.shape[1]:].sum())
