@@ -38,34 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from shapes import QWEN25  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, model_dir  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 
 SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)}
-
-
-def model_dir(shape: str, cache: Path) -> Path:
-    """A random-weight HF directory of `shape` (bf16 safetensors and a tokenizer), made once."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from engine.task import build_tokenizer
-
-    path = cache / shape
-    if (path / "config.json").is_file():
-        return path
-    tok = build_tokenizer()
-    cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 7B random init on CPU takes minutes
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, path)
-    del model
-    torch.cuda.empty_cache()
-    return path
 
 
 def sync(device: str) -> None:
@@ -250,7 +227,7 @@ def main() -> None:
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "rlflow-bench-models"))
     args = ap.parse_args()
     args.tp = [int(t) for t in args.tp.split(",")]
-    path = model_dir(args.shape, Path(args.cache))
+    path = model_dir(args.shape, SHAPES[args.shape], Path(args.cache))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,6 +1,9 @@
 """Model shapes the benchmarks build with random weights (no download): published Qwen2.5 configs,
 plus `tiny` for CPU smoke runs (Qwen2.5's vocabulary, so token ids mean the same in every shape)."""
 
+import os
+from pathlib import Path
+
 import torch
 
 QWEN25 = {
@@ -19,3 +22,26 @@ def sync() -> None:
     """Wait for queued GPU work, so wall-clock timers measure it."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def model_dir(name: str, shape: dict, cache: Path) -> Path:
+    """A random-weight HF directory of `shape` (bf16 safetensors and a tokenizer) at cache/name, made once."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from engine.task import build_tokenizer
+
+    path = cache / name
+    if (path / "config.json").is_file():
+        return path
+    tok = build_tokenizer()
+    cfg = Qwen2Config(**shape, max_position_embeddings=131072, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 7B random init on CPU takes minutes
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)
+    del model
+    torch.cuda.empty_cache()
+    return path

@@ -1,37 +1,52 @@
-"""Update-phase throughput: rlflow's packed and padded trainer forward against a plain transformers loop.
+"""Update-phase throughput: rlflow's trainer, packed and padded, against a plain transformers loop;
+and the longest sequence a fixed memory budget trains, without and with sequence parallelism.
 
-    python bench/train.py                                   # tiny random Qwen2, CPU, about a minute
-    python bench/train.py --shape qwen2.5-1.5b --seqs 64 --budget 16384
+    python bench/train.py                                               # tiny random Qwen2, CPU smoke run
+    python bench/train.py --shape qwen2.5-1.5b --seqs 64 --budget 16384            # 1 GPU, + the plain loop
+    python bench/train.py --shape qwen2.5-7b --gpus 2 --seqs 32 --budget 16384     # FSDP2 over 2 GPUs
+    python bench/train.py --shape qwen2.5-1.5b --gpus 2 --longest --sp 1,2 --memory-gib 40
 
-Random weights in the given model shape (no download), bf16 on the GPU (fp32 on CPU), random
-token ids with a realistic length mix: prompts of `--prompt` tokens, responses uniform in
-`--response` (default 50-1000). One step = forward + backward of a PPO-clip loss over every
-micro-batch + one AdamW step, for the same batch, in one process and one model:
-- packed: `engine.train.forward_logprobs`, sequences end to end, first-fit-decreasing micro-batches
-  of at most `--budget` real tokens, lm_head in chunks;
-- padded: the same forward on padded rows, micro-batches of rows x width <= `--budget`;
-- hf: `model(...).logits` on the padded micro-batches and log_softmax over full fp32 logits.
-Each method runs once to warm up, then `--repeats` timed steps (median). Tokens/s counts real
-(unpadded) tokens for all three; MFU (CUDA) = 6 x params x tokens / time / `--peak-tflops`.
-The header names the attention kernel: without flash-attn a packed row runs SDPA with a dense
-block-diagonal mask, which still computes budget^2 scores per layer, so large budgets can lose
-to padding there.
+Random weights in the given model shape (saved once as a bf16 HF directory under --cache, no
+download). rlflow's path is the real one: `engine.train.TrainEngine` (FSDP2 over all ranks,
+float32 master weights and AdamW state, bf16 compute on CUDA), stepping a PPO-clip loss over
+token-budget micro-batches; each rank gets its own `--seqs` sequences with a realistic length
+mix (prompts of `--prompt` tokens, responses uniform in `--response`, default 50-1000):
+- packed: sequences end to end, first-fit-decreasing micro-batches of at most `--budget` real tokens;
+- padded: padded rows, micro-batches of rows x width <= `--budget`;
+- hf (one rank only): a bf16 transformers model and AdamW, `model(...).logits` on the padded
+  micro-batches and log_softmax over full fp32 logits, the loop a user would write.
+Each runs once to warm up, then `--repeats` timed steps (median; the slowest rank's time).
+Tokens/s counts real tokens over all ranks. MFU (CUDA) = model FLOPs / time / (GPUs x
+`--peak-tflops`), model FLOPs = 6 x matmul parameters x tokens (the input embedding is a lookup,
+not counted unless tied to the head) + 6 x layers x hidden x sum of squared sequence lengths
+(causal attention, forward and backward); recomputation is not counted.
+The header names the attention kernel (flash-attn, PyTorch's varlen, or SDPA with a mask).
+
+--longest: one sequence per SP group, `--prompt` min tokens of prompt and the rest response,
+activation checkpointing on; the length doubles from --start until the peak memory
+(max_memory_allocated, the largest rank's) passes --memory-gib, for every --sp size.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
-from shapes import QWEN25, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
-from transformers import AutoModelForCausalLM, Qwen2Config
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from shapes import QWEN25, model_dir  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import algos
-from engine.train import attn_implementation, forward_logprobs, micro_batches
+from engine.train import TrainEngine, attn_implementation, forward_logprobs, micro_batches
 
 SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -59,11 +74,11 @@ def ppo_loss(logp: torch.Tensor, b: dict, rows: torch.Tensor, denom: float) -> t
     return loss
 
 
-def rlflow_losses(model, b: dict, budget: int, pack: bool) -> list[Callable[[], torch.Tensor]]:
+def rlflow_losses(root, b: dict, budget: int, pack: bool) -> list[Callable[[], torch.Tensor]]:
     denom = float(b["rmask"].sum())
 
     def loss(rows: torch.Tensor) -> torch.Tensor:
-        logp, _ = forward_logprobs(model, b["ids"][rows], b["mask"][rows], b["pos"][rows], b["responses"][rows],
+        logp, _ = forward_logprobs(root, b["ids"][rows], b["mask"][rows], b["pos"][rows], b["responses"][rows],
                                    1.0, pack)
         return ppo_loss(logp, b, rows, denom)
     return [partial(loss, rows) for rows in micro_batches(b["mask"], budget, pack)]
@@ -82,58 +97,169 @@ def hf_losses(model, b: dict, budget: int) -> list[Callable[[], torch.Tensor]]:
     return [partial(loss, rows) for rows in micro_batches(b["mask"], budget, pack=False)]
 
 
-def step(model, optimizer, losses: list[Callable[[], torch.Tensor]]) -> float:
-    """Seconds for one update step over all micro-batches."""
-    sync()
-    start = time.perf_counter()
+def hf_step(model, optimizer, losses: list[Callable[[], torch.Tensor]]) -> None:
     optimizer.zero_grad(set_to_none=True)
     for micro in losses:
         micro().backward()
     optimizer.step()
-    sync()
-    return time.perf_counter() - start
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds `fn` takes, the slowest rank's."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = torch.tensor([time.perf_counter() - start], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def total(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def peak_gib(device: torch.device) -> float:
+    """The largest rank's peak allocated memory since the last reset, then reset."""
+    if device.type != "cuda":
+        return 0.0
+    peak = total(torch.cuda.max_memory_allocated() / 2**30, device, dist.ReduceOp.MAX)
+    torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def model_flops(cfg, mask: torch.Tensor) -> float:
+    """6 x matmul parameters x real tokens + causal attention's 6 x layers x hidden x sum(L^2)."""
+    h, layers, kv = cfg.hidden_size, cfg.num_hidden_layers, cfg.num_key_value_heads
+    head_dim = h // cfg.num_attention_heads
+    per_layer = h * (h + 2 * kv * head_dim) + h * h + 3 * h * cfg.intermediate_size  # qkv, o, gate/up/down
+    matmul = layers * per_layer + cfg.vocab_size * h  # + the lm_head
+    lengths = mask.sum(1).double()
+    return 6 * matmul * float(lengths.sum()) + 6 * layers * h * float((lengths ** 2).sum())
+
+
+def throughput(rank: int, world: int, args, path: str, device: torch.device) -> None:
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg = AutoConfig.from_pretrained(path)
+    b = make_batch(args.seqs, args.prompt, args.response, cfg.vocab_size, seed=rank)
+    tokens = total(float(b["mask"].sum()), device)
+    flops = total(model_flops(cfg, b["mask"]), device)
+    padded = total(float(b["mask"].numel()), device)
+    if rank == 0:
+        print(f"  {world} rank(s) x {args.seqs} seqs: {tokens:.0f} real tokens ({tokens / padded:.0%} of the "
+              f"padded rows), budget {args.budget} tokens per micro-batch", flush=True)
+    engine = TrainEngine(path, 1e-6, 0.0, 1.0, 0, 1000, "constant", dtype, str(device),
+                         checkpointing=args.checkpointing)
+    methods: dict[str, Callable[[], object]] = {
+        "packed": lambda: engine.step(lambda: rlflow_losses(engine.root, b, args.budget, True)),
+        "padded": lambda: engine.step(lambda: rlflow_losses(engine.root, b, args.budget, False))}
+    peak_gib(device)
+    rates = {}
+    for name, run in methods.items():
+        rates[name] = report(name, run, tokens, flops, world, args, device, rank)
+    if world == 1 and args.hf:
+        del engine, methods
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        attn = attn_implementation(device, getattr(torch, dtype))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn)
+        model.to(device).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+        peak_gib(device)
+        rates["hf"] = report("hf", lambda: hf_step(model, optimizer, hf_losses(model, b, args.budget)), tokens,
+                             flops, world, args, device, rank)
+        print(f"packed/hf {rates['packed'] / rates['hf']:.2f}x, padded/hf {rates['padded'] / rates['hf']:.2f}x, "
+              f"packed/padded {rates['packed'] / rates['padded']:.2f}x", flush=True)
+    elif rank == 0:
+        print(f"packed/padded {rates['packed'] / rates['padded']:.2f}x", flush=True)
+
+
+def report(name: str, run: Callable[[], object], tokens: float, flops: float, world: int, args,
+           device: torch.device, rank: int) -> float:
+    """Warm up, time `--repeats` steps, print tokens/s, MFU and peak memory; tokens/s."""
+    run()
+    seconds = statistics.median(timed(run, device) for _ in range(args.repeats))
+    peak = peak_gib(device)
+    if rank == 0:
+        mfu = f", MFU {flops / seconds / (world * args.peak_tflops * 1e12):.1%}" if device.type == "cuda" else ""
+        print(f"  {name:7s} {seconds:8.3f} s/step  {tokens / seconds:10.0f} tok/s "
+              f"({tokens / seconds / world:.0f} per GPU){mfu}, peak {peak:.1f} GiB", flush=True)
+    return tokens / seconds
+
+
+def longest(rank: int, world: int, args, path: str, device: torch.device) -> None:
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg = AutoConfig.from_pretrained(path)
+    for sp in args.sp:
+        engine = TrainEngine(path, 1e-6, 0.0, 1.0, 0, 1000, "constant", dtype, str(device), checkpointing=True,
+                             sp=sp)
+        length, fits = args.start, 0
+        peak_gib(device)
+        while True:
+            prompt = args.prompt[0]  # one sequence per SP group, the same on its ranks
+            b = make_batch(1, (prompt, prompt), (length - prompt, length - prompt), cfg.vocab_size, rank // sp)
+            seconds = timed(partial(engine.step, partial(rlflow_losses, engine.root, b, length, False)), device)
+            peak = peak_gib(device)
+            if rank == 0:
+                print(f"  sp={sp}: {length:7d} tokens  {seconds:7.2f} s/step  "
+                      f"{length * world // sp / seconds:8.0f} tok/s  peak {peak:5.1f} GiB", flush=True)
+            if peak <= args.memory_gib:
+                fits = length
+            if peak > args.memory_gib or length >= args.stop:
+                break
+            length *= 2
+        if rank == 0:
+            print(f"sp={sp}: the longest that fits in {args.memory_gib} GiB: {fits} tokens", flush=True)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def rank_main(rank: int, world: int, port: int, args, path: str) -> None:
+    device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
+    (longest if args.longest else throughput)(rank, world, args, path, device)
+    dist.destroy_process_group()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", choices=SHAPES, default="tiny")
-    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--gpus", type=int, default=1, help="ranks (processes); GPUs on CUDA")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seqs", type=int, default=8, help="sequences per rank")
     ap.add_argument("--prompt", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--response", type=int, nargs=2, default=(50, 1000), metavar=("MIN", "MAX"))
     ap.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak; 989 = H200")
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the trainer")
+    ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the plain loop (1 rank)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU; 989 = H100/H200")
+    ap.add_argument("--longest", action="store_true", help="the longest-sequence search instead")
+    ap.add_argument("--sp", default="1,2", help="--longest: comma list of sequence-parallel sizes")
+    ap.add_argument("--start", type=int, default=4096, help="--longest: first length")
+    ap.add_argument("--stop", type=int, default=1 << 20, help="--longest: last length tried")
+    ap.add_argument("--memory-gib", type=float, default=40.0, help="--longest: the memory budget")
+    ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "rlflow-bench-models"))
     args = ap.parse_args()
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    attn = attn_implementation(device, dtype)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[args.shape]), dtype=dtype,
-                                             attn_implementation=attn).to(device)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
-    b = make_batch(args.seqs, args.prompt, args.response, SHAPES[args.shape]["vocab_size"], seed=0)
-    tokens, padded = int(b["mask"].sum()), b["mask"].numel()
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{args.shape} ({params / 1e6:.1f}M params, {dtype}, {attn}) on {device}: {args.seqs} seqs, "
-          f"{tokens} real tokens ({tokens / padded:.0%} of {padded} padded), budget {args.budget}")
-
-    methods = {"packed": lambda: rlflow_losses(model, b, args.budget, True),
-               "padded": lambda: rlflow_losses(model, b, args.budget, False),
-               "hf": lambda: hf_losses(model, b, args.budget)}
-    rates = {}
-    for name, losses in methods.items():
-        step(model, optimizer, losses())  # warm-up
-        seconds = statistics.median(step(model, optimizer, losses()) for _ in range(args.repeats))
-        rates[name] = tokens / seconds
-        mfu = f", MFU {6 * params * tokens / seconds / (args.peak_tflops * 1e12):.1%}" if device.type == "cuda" else ""
-        peak = f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if device.type == "cuda" else ""
-        print(f"  {name:7s} {seconds:8.3f} s/step  {rates[name]:10.0f} tok/s{mfu}{peak}")
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-    print(f"packed/hf {rates['packed'] / rates['hf']:.2f}x, padded/hf {rates['padded'] / rates['hf']:.2f}x, "
-          f"packed/padded {rates['packed'] / rates['padded']:.2f}x")
+    args.sp = [int(s) for s in args.sp.split(",")]
+    path = model_dir(args.shape, SHAPES[args.shape], Path(args.cache))
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{args.shape}, {args.gpus} x {name}, FSDP2 fp32 master, {dtype} compute, attention "
+          f"{attn_implementation(torch.device(args.device), dtype)}", flush=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank_main, args=(args.gpus, port, args, str(path)), nprocs=args.gpus)
 
 
 if __name__ == "__main__":
