@@ -162,6 +162,8 @@ def throughput(rank: int, world: int, args, path: str, device: torch.device) -> 
     rates = {}
     for name, run in methods.items():
         rates[name] = report(name, run, tokens, flops, world, args, device, rank)
+    if args.profile:
+        profile(methods["packed"], rank)
     if world == 1 and args.hf:
         del engine, methods
         if device.type == "cuda":
@@ -190,6 +192,21 @@ def report(name: str, run: Callable[[], object], tokens: float, flops: float, wo
         print(f"  {name:7s} {seconds:8.3f} s/step  {tokens / seconds:10.0f} tok/s "
               f"({tokens / seconds / world:.0f} per GPU){mfu}, peak {peak:.1f} GiB", flush=True)
     return tokens / seconds
+
+
+def profile(run: Callable[[], object], rank: int) -> None:
+    """One more packed step under torch.profiler: the kernels that took the most device time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = torch.cuda.is_available()
+    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "device_time_total" if cuda else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
 
 
 def longest(rank: int, world: int, args, path: str, device: torch.device) -> None:
@@ -243,6 +260,7 @@ def main() -> None:
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the trainer")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the plain loop (1 rank)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU; 989 = H100/H200")
+    ap.add_argument("--profile", action="store_true", help="profile one more packed step")
     ap.add_argument("--longest", action="store_true", help="the longest-sequence search instead")
     ap.add_argument("--sp", default="1,2", help="--longest: comma list of sequence-parallel sizes")
     ap.add_argument("--start", type=int, default=4096, help="--longest: first length")
