@@ -154,7 +154,7 @@ def throughput(rank: int, world: int, args, path: str, device: torch.device) -> 
         print(f"  {world} rank(s) x {args.seqs} seqs: {tokens:.0f} real tokens ({tokens / padded:.0%} of the "
               f"padded rows), budget {args.budget} tokens per micro-batch", flush=True)
     engine = TrainEngine(path, 1e-6, 0.0, 1.0, 0, 1000, "constant", dtype, str(device),
-                         checkpointing=args.checkpointing)
+                         checkpointing=args.checkpointing, compile_layers=args.compile)
     methods: dict[str, Callable[[], object]] = {
         "packed": lambda: engine.step(lambda: rlflow_losses(engine.root, b, args.budget, True)),
         "padded": lambda: engine.step(lambda: rlflow_losses(engine.root, b, args.budget, False))}
@@ -258,6 +258,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the trainer")
+    ap.add_argument("--compile", action="store_true", help="the trainer's decoder layers through torch.compile")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the plain loop (1 rank)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU; 989 = H100/H200")
     ap.add_argument("--profile", action="store_true", help="profile one more packed step")

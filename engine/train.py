@@ -53,7 +53,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
 from engine import algos, ulysses, varlen
-from engine.native_model import consecutive_group
+from engine.native_model import consecutive_group, fused
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
@@ -142,14 +142,24 @@ def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions
     return out.last_hidden_state[0, at[valid]]
 
 
+@fused
+def logits_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of each target [c], softmax entropy [c] or zeros) of logits [c, V] at `temperature`,
+    in float32. On CUDA one compiled kernel chain, forward and backward: in eager the cast,
+    scaling, logsumexp and entropy make a dozen fp32 passes over [c, V], most of an update step's
+    time at a 150k vocabulary."""
+    z = logits.float() / temperature
+    logp = algos.token_logprobs(z, targets)
+    return logp, (algos.entropy_from_logits(z) if entropy else torch.zeros_like(logp))
+
+
 def chunked_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                         entropy: bool = True, chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target [M] and softmax entropy [M] (zeros unless `entropy`) of hidden [M, H]
     through `head`, `chunk` tokens at a time; under autograd a chunk's logits are recomputed in backward."""
     def stats(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = head(h).float() / temperature  # [c, V]
-        logp = algos.token_logprobs(logits, t)
-        return logp, (algos.entropy_from_logits(logits) if entropy else torch.zeros_like(logp))
+        return logits_stats(head(h), t, temperature, entropy)
 
     run = partial(checkpoint, stats, use_reentrant=False) if torch.is_grad_enabled() else stats
     # no tokens still runs the head (on none): its weight gets a (zero) gradient, as on other ranks
@@ -270,7 +280,7 @@ class TrainEngine:
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
                  root: Any = None, checkpointing: bool = False, model_cls: Any = AutoModelForCausalLM,
-                 sp: int = 1, **model_kwargs: Any) -> None:
+                 sp: int = 1, compile_layers: bool = False, **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
         (default `Policy`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
         decoder layer's activations in backward instead of keeping them; `sp` > 1 runs the Policy's
@@ -290,6 +300,9 @@ class TrainEngine:
         self.model.train()
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if compile_layers:  # each decoder layer through inductor (its norms, RoPE and gating fused)
+            for layer in self.model.model.layers:
+                layer.compile(dynamic=True)
         self.root: Any = root(self.model)
         if sp > 1:
             self.root.sp_group = sp_group
