@@ -77,6 +77,7 @@ class ActorConfig:
     entropy_coef: float = 0.0
     offload_optimizer: bool = False  # CUDA: optimizer state in pinned CPU memory while generating
     activation_checkpointing: bool = False  # recompute decoder layers in backward (actor and critic)
+    compile_layers: bool = False  # decoder layers through torch.compile (actor and critic); the first steps compile
     sp: int = 1  # Ulysses sequence parallel size: groups of sp workers train on slices of the same rows
 
 

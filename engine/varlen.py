@@ -40,6 +40,7 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
     return varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
+@torch.compiler.disable  # data-dependent sizes: compiled layers call it eagerly, by design
 def sequences(position_ids: torch.Tensor | None,
               mask: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor, int]:
     """(flat indices of the real tokens, or None for all of them; cumulative sequence starts [N+1]

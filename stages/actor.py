@@ -61,7 +61,7 @@ class ActorRollout:
         self.engine = TrainEngine(model_path, a.lr, a.weight_decay, a.grad_clip, a.warmup_steps,
                                   rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing,
-                                  sp=a.sp)
+                                  sp=a.sp, compile_layers=a.compile_layers)
         # Split placement: the rollout pool generates; this process keeps no engine (nor its memory).
         self.rollout = None if "rollout" in cfg.placement.own_pool else Rollout(cfg, model_path, rank, world, device)
         self.sync_rollout = (lambda: None) if self.rollout is None else \

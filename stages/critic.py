@@ -79,8 +79,8 @@ class Critic:
         with torch.random.fork_rng(devices=[]):  # the fresh head: the same on every rank and in every run
             torch.manual_seed(cfg.trainer.seed)
             self.engine = TrainEngine(model_path, cfg.critic.lr, a.weight_decay, a.grad_clip, a.warmup_steps, steps,
-                                      a.lr_schedule, cfg.model.dtype, device,
-                                      root=ValueModel, checkpointing=a.activation_checkpointing,
+                                      a.lr_schedule, cfg.model.dtype, device, root=ValueModel,
+                                      checkpointing=a.activation_checkpointing, compile_layers=a.compile_layers,
                                       model_cls=AutoModelForTokenClassification, num_labels=1)
 
     def values(self, batch: Batch) -> Batch:

@@ -1,3 +1,5 @@
+import shutil
+
 import pytest
 import torch
 
@@ -68,6 +70,28 @@ def test_packed_forward_matches_padded_values_and_gradients(model_dir):
     # a padded row leaks into its neighbours if the packed attention ignored sequence boundaries
     alone, _ = forward_logprobs(engine.root, ids[1:2], mask[1:2], pos[1:2], responses[1:2], 0.7, True)
     torch.testing.assert_close(alone[0], values[0][0][1].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="inductor on the CPU needs a C compiler")
+def test_compiled_layers_train_like_eager_ones(model_dir):
+    """compile_layers runs the same math: one step's loss, gradients and the next forward agree."""
+    ids, mask, pos, responses = padded_batch([3, 7, 1, 5], [6, 2, 9, 4])
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        engine = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", "cpu",
+                             compile_layers=compiled)
+
+        def loss(root=engine.root):
+            logp, ent = forward_logprobs(root, ids, mask, pos, responses, 0.7, True)
+            return -(logp.sum() + 0.1 * ent.sum()) / mask.sum()
+        result = engine.step(lambda loss=loss: [loss])
+        with torch.no_grad():
+            after, _ = forward_logprobs(engine.root, ids, mask, pos, responses, 0.7, False)
+        runs.append((result["loss"], result["grad_norm"], after))
+    (loss0, norm0, after0), (loss1, norm1, after1) = runs
+    assert loss1 == pytest.approx(loss0, rel=1e-5) and norm1 == pytest.approx(norm0, rel=1e-4)
+    torch.testing.assert_close(after1, after0, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_logprobs_and_entropy_match_full_logits():
