@@ -1,6 +1,8 @@
 """Model shapes the benchmarks build with random weights (no download): published Qwen2.5 configs,
 plus `tiny` for CPU smoke runs (Qwen2.5's vocabulary, so token ids mean the same in every shape)."""
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -25,12 +27,13 @@ def sync() -> None:
 
 
 def model_dir(name: str, shape: dict, cache: Path) -> Path:
-    """A random-weight HF directory of `shape` (bf16 safetensors and a tokenizer) at cache/name, made once."""
+    """A random-weight HF directory of `shape` (bf16 safetensors and a tokenizer) under `cache`, made
+    once per name and shape (benches name different shapes alike, e.g. "tiny")."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from engine.task import build_tokenizer
 
-    path = cache / name
+    path = cache / f"{name}-{hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]}"
     if (path / "config.json").is_file():
         return path
     tok = build_tokenizer()
