@@ -105,5 +105,6 @@ def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position
     out = _run(q[keep], k[keep], v[keep], cu, longest, scale)
     return out.new_zeros(b * s, heads, d).index_copy(0, keep, out).view(b, s, heads, d)
 
+
 AttentionInterface.register(NAME, attention)  # models loaded with attn_implementation="varlen" call it
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)  # padded rows: the 2-D mask, or None
