@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -38,28 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from shapes import QWEN25, model_dir  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, free_port, model_dir, timed  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 
 SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)}
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-
-
-def timed(fn: Any, device: str) -> float:
-    """Seconds `fn` takes, the slowest rank's."""
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    t = torch.tensor([time.perf_counter() - start], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def peak_gb(device: str) -> float:
@@ -228,9 +210,7 @@ def main() -> None:
     args = ap.parse_args()
     args.tp = [int(t) for t in args.tp.split(",")]
     path = model_dir(args.shape, SHAPES[args.shape], Path(args.cache))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.shape}, {args.gpus} x {name}, FSDP2 fp32 master -> bf16 rollout, "
           f"KV cache {args.slots} x {args.max_len}, offload={args.offload}", flush=True)

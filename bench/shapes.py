@@ -1,12 +1,17 @@
 """Model shapes the benchmarks build with random weights (no download): published Qwen2.5 configs,
-plus `tiny` for CPU smoke runs (Qwen2.5's vocabulary, so token ids mean the same in every shape)."""
+plus `tiny` for CPU smoke runs (Qwen2.5's vocabulary, so token ids mean the same in every shape);
+and what the multi-rank benches share: the random-model directory, a free port, a ranks' timer."""
 
 import hashlib
 import json
 import os
+import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 QWEN25 = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -24,6 +29,24 @@ def sync() -> None:
     """Wait for queued GPU work, so wall-clock timers measure it."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str | torch.device) -> float:
+    """Seconds `fn` takes on the default group's ranks, started together: the slowest rank's."""
+    sync()
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    sync()
+    t = torch.tensor([time.perf_counter() - start], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def model_dir(name: str, shape: dict, cache: Path) -> Path:

@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -42,7 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from shapes import QWEN25, model_dir  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, free_port, model_dir, timed  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import algos
@@ -102,20 +100,6 @@ def hf_step(model, optimizer, losses: list[Callable[[], torch.Tensor]]) -> None:
     for micro in losses:
         micro().backward()
     optimizer.step()
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds `fn` takes, the slowest rank's."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t = torch.tensor([time.perf_counter() - start], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def total(value: float, device: torch.device, op=dist.ReduceOp.SUM) -> float:
@@ -275,9 +259,7 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{args.shape}, {args.gpus} x {name}, FSDP2 fp32 master, {dtype} compute, attention "
           f"{attn_implementation(torch.device(args.device), dtype)}", flush=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(rank_main, args=(args.gpus, port, args, str(path)), nprocs=args.gpus)
 
 

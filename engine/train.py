@@ -16,9 +16,8 @@ kernels when installed, else PyTorch's own (engine/varlen.py, padded rows unpadd
 way); on the CPU, SDPA with a block-diagonal causal mask. With `sp` > 1 (Ulysses sequence
 parallelism, engine/ulysses.py) groups of sp ranks take the same padded rows and each runs
 1/sp of every row's tokens, FSDP2 still spanning all ranks; each rank's logprobs (and so its
-loss) cover only its slice. The
-lm_head runs a chunk of tokens at a time, so full fp32 logits [tokens, vocab] never exist; under
-autograd each chunk is recomputed in backward.
+loss) cover only its slice. The lm_head runs a chunk of tokens at a time, so full fp32 logits
+[tokens, vocab] never exist; under autograd each chunk is recomputed in backward.
 
 Invariants:
 - `logprobs` of the response equals what the rollout reported, up to kernel noise;

@@ -120,6 +120,7 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
                                              dropout_p=dropout if module.training else 0.0)
     return _heads_to_seq(out, group), None
 
+
 def sum_over(x: torch.Tensor, group: Any) -> torch.Tensor:
     """x (on the CPU) summed over the group, on the CPU: no-grad per-rank parts into whole rows."""
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"  # nccl reduces device tensors only
