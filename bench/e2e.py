@@ -97,9 +97,12 @@ def build_tokenizer(vocab: int):
     return tok
 
 
-def build_inputs(root: Path, shape: str, args: argparse.Namespace, dtype: torch.dtype) -> tuple[Path, Path, Path]:
+def build_inputs(root: Path, shape: str, args: argparse.Namespace, dtype: torch.dtype,
+                 device: str = "cpu") -> tuple[Path, Path, Path]:
     """(model dir, train prompts, validation prompt): random weights, and prompts of exactly
-    `--prompt-len` tokens through both frameworks' paths (plain tokenizer and rlflow's template)."""
+    `--prompt-len` tokens through both frameworks' paths (plain tokenizer and rlflow's template).
+    The weights are drawn on `device` (the CPU keeps this process free of a CUDA context, but
+    takes minutes for a 7B shape)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config
 
     vocab = SHAPES[shape]["vocab_size"]
@@ -107,11 +110,15 @@ def build_inputs(root: Path, shape: str, args: argparse.Namespace, dtype: torch.
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(4096, args.prompt_len + args.new),
                       eos_token_id=None, bos_token_id=None, pad_token_id=tok.pad_token_id)
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # on CPU: this process keeps no CUDA context
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id)
     model_dir = root / "model"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     tok = AutoTokenizer.from_pretrained(model_dir)  # check what both frameworks will load
     rng = random.Random(args.seed)
     first = tok.convert_tokens_to_ids("\u0120aaaa")  # the first 4-letter word: one token each

@@ -145,6 +145,8 @@ class Resharder:
         if flying:
             self._receive(*flying)
 
+    __call__ = sync  # a Resharder is the pipeline's weight sync (`weight_sync`)
+
     def _arrange(self, bucket: list[Block]) -> tuple[list[Block], list[Block], list[Block], list[int], list[int]]:
         """This rank's part of a bucket: the blocks it sends to peers (by destination), receives
         from peers (by source) and keeps (its own rows it needs), in plan order within each
@@ -203,7 +205,7 @@ def weight_sync(trainer: torch.nn.Module, rollout: Any) -> Callable[[], None]:
     together): planned resharding for the native engine, full tensors for any other backend."""
     model = getattr(rollout, "model", None)
     if isinstance(model, NativeCausalLM):
-        return Resharder(trainer, model).sync
+        return Resharder(trainer, model)
     return lambda: rollout.load_weights(full_tensors(trainer))
 
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from engine.batch import Batch
 from engine.config import Config
 from engine.train import DTYPES, attn_implementation, response_logprobs
+from stages.rollout import peak_memory
 
 
 class Reference:
@@ -32,4 +33,5 @@ class Reference:
             self.model, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
             self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
         batch.timing["ref"] = time.perf_counter() - start
+        peak_memory("ref", batch.metrics)
         return batch

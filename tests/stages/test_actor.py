@@ -47,7 +47,8 @@ def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path, backen
     for key in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
                 "actor/kl_loss", "critic/score/mean", "response_length/mean", "prompt_length/mean"):
         assert key in m and m[key] == m[key], key
-    assert set(out["timing"]) == {"gen", "reward", "ref", "old_log_prob", "adv", "update_actor"}
+    assert set(out["timing"]) == {"gen", "switch", "reward", "ref", "old_log_prob", "adv", "update_actor", "reshard"}
+    assert out["timing"]["reshard"] > 0 and m["perf/reshard_gb_from_peers"] == 0  # one rank: nothing crosses a link
     assert out["samples"][0]["prompt"].endswith("=")
     changed = [k for k, v in actor.engine.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the update must change the policy"
