@@ -63,7 +63,7 @@ def stop_ids(tokenizer: Any, params: SamplingParams) -> list[int]:
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids [B, P], mask [B, P]) with every prompt right-aligned."""
-    width = max(len(p) for p in prompts)
+    width = max((len(p) for p in prompts), default=0)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):

@@ -176,18 +176,21 @@ def make_runner(cfg: Config, stages: Stages) -> tuple[Callable[[list[Any]], list
 
 
 def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
-    """Contiguous equal shards, so every prompt's group stays on one rank."""
-    size = len(prompts) // n
-    return [prompts[i * size:(i + 1) * size] for i in range(n)]
+    """Every prompt, in n contiguous shards whose sizes differ by at most one (equal when n divides
+    them, as a training step's do), so every prompt's group stays on one rank."""
+    return [prompts[i * len(prompts) // n:(i + 1) * len(prompts) // n] for i in range(n)]
 
 
 def rollout(stages: Stages, prompts: list[Prompt], step: int, greedy: bool = False, samples: int = 0) -> list[Batch]:
-    """Generate and score `prompts` over the ranks with plain calls, outside the step graph."""
+    """Generate and score `prompts` over the ranks with plain calls, outside the step graph.
+
+    Every rank generates (tensor-parallel ranks generate together), also one left without a
+    prompt when there are fewer prompts than ranks; its empty batch is not scored."""
     refs = []
     for rank, part in enumerate(shards(prompts, stages.workers)):
         request = RolloutRequest(part, step, greedy, samples)
         batch = stages.worker(stages.generator, rank).run.remote(stages.generator, "generate", request)
-        refs.append(stages.worker("reward", rank).run.remote("reward", "score", batch))
+        refs.append(stages.worker("reward", rank).run.remote("reward", "score", batch) if part else batch)
     return ray.get(refs, timeout=GET_TIMEOUT_S)
 
 
@@ -334,7 +337,6 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
                                          cfg.data.overlong_prompts)
     val_prompts, _ = load_prompts(files["val"], tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
     val_prompts = val_prompts[:cfg.data.val_max_prompts or None]
-    val_prompts = val_prompts[:len(val_prompts) // cfg.placement.workers * cfg.placement.workers]
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(train_prompts, cfg.data.prompts_per_step, t.seed)
     root = out / "checkpoints"

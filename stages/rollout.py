@@ -36,7 +36,7 @@ from engine.rollout import SamplingParams, build_rollout, left_pad
 
 
 def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
-    width = max(1, max(len(r) for r in rows))
+    width = max(1, max((len(r) for r in rows), default=0))
     out = torch.full((len(rows), width), value, dtype=dtype)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r, dtype=dtype)
@@ -71,7 +71,9 @@ class Rollout:
             n=1 if request.greedy else request.samples or r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
             stop_strings=r.stop_strings, seed=hash((self.cfg.trainer.seed, request.step, self.rank // r.tp)) % 2**31)
         prompts, mine = self._tp_prompts([p.ids for p in request.prompts])
-        groups = self.engine.generate(prompts, params)[mine]
+        # a rank may have no prompts (validation of fewer prompts than ranks); with TP it still
+        # generates its group's
+        groups = self.engine.generate(prompts, params)[mine] if prompts else []
         baseline = []
         if self.cfg.algorithm.advantage == "remax" and not (request.greedy or request.samples):
             # ReMax's baseline: one greedy answer per training prompt, scored by the reward stage.

@@ -229,8 +229,11 @@ def test_checkpoint_from_two_workers_resumes_on_one(tmp_path):
 def test_tensor_parallel_generation_agrees_with_the_trainer(tmp_path):
     # two ranks generate as one TP group of 2: each update is resharded into the TP layout, and the
     # trainer's probabilities of what the group sampled must be the engine's own
-    rlflow(tmp_path, "out", "placement.workers=2", "rollout.tp=2", "trainer.total_steps=2", "trainer.val_every=0")
+    # one validation prompt for two ranks: the second has none, yet must generate with its group
+    rlflow(tmp_path, "out", "placement.workers=2", "rollout.tp=2", "trainer.total_steps=2", "trainer.val_every=0",
+           "data.val_max_prompts=1")
     client, run = only_run(tmp_path)
+    assert [step for step, _ in history(client, run.info.run_id)["val/greedy_score"]] == [2]
     diff = history(client, run.info.run_id)["training/rollout_probs_diff_max"]
     assert [step for step, _ in diff] == [1, 2]
     assert max(v for _, v in diff) < 1e-5, diff
@@ -319,9 +322,12 @@ def test_vllm_generates_for_two_trainer_ranks_in_split_placement(tmp_path):
 def test_sequence_parallel_training_agrees_with_the_rollout(tmp_path):
     # two ranks train as one SP group of 2 (each half of every row's tokens): the trainer's
     # probabilities of what the rollout sampled must still be the engine's own, and the update runs
-    rlflow(tmp_path, "out", "placement.workers=2", "actor.sp=2", "trainer.total_steps=2", "trainer.val_every=0")
+    # three validation prompts over two ranks: 1 and 2, none dropped
+    rlflow(tmp_path, "out", "placement.workers=2", "actor.sp=2", "trainer.total_steps=2", "trainer.val_every=0",
+           "data.val_max_prompts=3")
     client, run = only_run(tmp_path)
     metrics = history(client, run.info.run_id)
+    assert [step for step, _ in metrics["val/greedy_score"]] == [2]
     assert [step for step, _ in metrics["actor/pg_loss"]] == [1, 2]
     diff = metrics["training/rollout_probs_diff_max"]
     assert max(v for _, v in diff) < 1e-5, diff

@@ -1,7 +1,7 @@
 import torch
 
 from engine.batch import Batch
-from pipelines.grpo import balanced_shards
+from pipelines.grpo import balanced_shards, shards
 
 
 def test_balanced_shards_keep_groups_whole_and_even_out_each_mini_batch():
@@ -18,3 +18,9 @@ def test_balanced_shards_keep_groups_whole_and_even_out_each_mini_batch():
     tokens = [[float(r.prompt_mask[k].sum() + r.response_mask[k].sum()) for r in ranks]
               for k in (slice(0, 4), slice(4, 8))]
     assert tokens == [[2024, 1944], [1114, 1094]]
+
+
+def test_prompt_shards_keep_every_prompt_in_order():
+    assert shards(list(range(8)), 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert shards(list(range(5)), 2) == [[0, 1], [2, 3, 4]]  # validation sets need not divide
+    assert shards([0], 2) == [[], [0]]
