@@ -246,14 +246,15 @@ def tracking_uri(work: Path) -> str:
     return f"sqlite:///{work}/mlflow.db" if importlib.util.find_spec("sqlalchemy") else f"file://{work}/mlruns"
 
 
-def read_metrics(uri: str, experiment: str = EXPERIMENT) -> dict[str, dict[int, float]]:
-    """{metric: {step: value}} of the only run in the bench's experiment."""
+def read_metrics(uri: str, experiment: str = EXPERIMENT, finished: bool = True) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} of the only run in the bench's experiment (which must have
+    finished, unless `finished` is false)."""
     from mlflow import MlflowClient
 
     os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # the skinny package's store (see tracking_uri)
     client = MlflowClient(uri)
     [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-    if run.info.status != "FINISHED":
+    if finished and run.info.status != "FINISHED":
         raise SystemExit(f"rlflow's run ended {run.info.status}")
     return {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in run.data.metrics}
 
