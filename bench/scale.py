@@ -68,6 +68,7 @@ def job_conf(args: argparse.Namespace, gpus: int, model: Path, train: Path, val:
     conf = e2e.rlflow_conf(args, gpus > 0, model, train, val, out)
     conf["placement"] = dict(workers=max(1, gpus), gpus_per_worker=1 if gpus else 0)
     conf["rollout"].update(tp=args.tp if gpus else 1)
+    conf["trainer"].update(log_checkpoint=False)  # a 7B checkpoint is ~90 GB; a copy in the run would double it
     conf["actor"].update(mini_batch_prompts=args.prompts // args.mini_batches, kl_loss_coef=args.kl,
                          activation_checkpointing=bool(gpus), pack_sequences=bool(gpus))
     return conf

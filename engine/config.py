@@ -141,6 +141,7 @@ class TrainerConfig:
     total_steps: int = 100
     save_every: int = 0  # 0 = only at the end
     keep_last: int = 2
+    log_checkpoint: bool = True  # also copy the final checkpoint into the MLflow run (twice the disk on a local store)
     resume: str = "auto"  # auto | never | <checkpoint dir>
     output_dir: str = "outputs/rlflow"
     seed: int = 0

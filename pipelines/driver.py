@@ -92,10 +92,13 @@ def resume(stages: Stages, ckpt: Path | None, loader: PromptLoader) -> int:
     return int(state["step"])
 
 
-def finish(stages: Stages, root: Path, step: int, loader: PromptLoader, tracker: Tracker, keep: int) -> Path:
-    """The final checkpoint and `<output_dir>/hf_model`, both logged as artifacts; returns the export."""
+def finish(stages: Stages, root: Path, step: int, loader: PromptLoader, tracker: Tracker, keep: int,
+           log_checkpoint: bool = True) -> Path:
+    """The final checkpoint and `<output_dir>/hf_model`, both logged as artifacts (the checkpoint
+    unless `log_checkpoint` is false); returns the export."""
     ckpt = save(stages, root, step, loader, tracker.run_id, keep)
-    tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
+    if log_checkpoint:
+        tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
     export = root.parent / "hf_model"
     stages.actors("export", str(export))
     tracker.log_artifact(str(export), "hf_model")
@@ -128,7 +131,7 @@ def run(cfg: Config, stages: Stages, graph: Graph, loader: PromptLoader, tracker
             if t.progress and (done % 10 == 0 or done == t.total_steps):
                 print(f"{cfg.algorithm.name} step {done}/{t.total_steps}: {progress(metrics)}")
         tracker.log_metrics(validate(), step=t.total_steps)
-        return finish(stages, root, t.total_steps, loader, tracker, t.keep_last)
+        return finish(stages, root, t.total_steps, loader, tracker, t.keep_last, t.log_checkpoint)
     finally:
         release()
         stages.shutdown()

@@ -380,7 +380,8 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
         tracker.log_metrics(final, step=t.total_steps)
         bar.close(final)
         ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
-        tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
+        if t.log_checkpoint:
+            tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
         export = out / "hf_model"
         ray.get([live.stages.worker("actor", r).run.remote("actor", "export", str(export))  # collective
                  for r in range(live.stages.workers)])

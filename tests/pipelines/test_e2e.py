@@ -231,9 +231,12 @@ def test_tensor_parallel_generation_agrees_with_the_trainer(tmp_path):
     # trainer's probabilities of what the group sampled must be the engine's own
     # one validation prompt for two ranks: the second has none, yet must generate with its group
     rlflow(tmp_path, "out", "placement.workers=2", "rollout.tp=2", "trainer.total_steps=2", "trainer.val_every=0",
-           "data.val_max_prompts=1")
+           "data.val_max_prompts=1", "trainer.log_checkpoint=false")
     client, run = only_run(tmp_path)
     assert [step for step, _ in history(client, run.info.run_id)["val/greedy_score"]] == [2]
+    # the final checkpoint stays on disk, not copied into the run
+    assert (tmp_path / "out" / "checkpoints" / "step_000002" / "model.safetensors").is_file()
+    assert "checkpoints" not in {a.path for a in client.list_artifacts(run.info.run_id)}
     diff = history(client, run.info.run_id)["training/rollout_probs_diff_max"]
     assert [step for step, _ in diff] == [1, 2]
     assert max(v for _, v in diff) < 1e-5, diff
