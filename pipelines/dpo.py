@@ -39,7 +39,7 @@ from engine.batch import Batch
 from engine.config import Config
 from engine.data import Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
-from pipelines.driver import Stages, run
+from pipelines.driver import Stages, even_cut, run
 from pipelines.grpo import GET_TIMEOUT_S
 from pipelines.sft import supervised
 
@@ -99,7 +99,8 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     train_pairs, counts, pad_id = load(cfg, model_path, files["train"])
     val_pairs, _, _ = load(cfg, model_path, files["val"])
     val_pairs = val_pairs[:cfg.data.val_max_prompts or None]
-    val = shard(val_pairs[:len(val_pairs) // workers * workers], workers, pad_id)
+    val_pairs, counts["val_left_out"] = even_cut(val_pairs, workers, "validation pairs")
+    val = shard(val_pairs, workers, pad_id)
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(train_pairs, cfg.data.prompts_per_step, t.seed)
 

@@ -74,6 +74,15 @@ def make_runner(cfg: Config, stages: Stages, graph: Graph) -> tuple[Callable[[li
     return (lambda xs: ray.get(compiled.execute(*xs), timeout=GET_TIMEOUT_S)), compiled.teardown
 
 
+def even_cut(items: list, workers: int, what: str) -> tuple[list, int]:
+    """The first multiple of `workers` of `items`, so every rank scores as many, and how many were
+    left out (said on stdout)."""
+    left_out = len(items) % workers
+    if left_out:
+        print(f"rlflow: {what}: {left_out} of {len(items)} left out, so that each of {workers} ranks gets as many")
+    return items[:len(items) - left_out], left_out
+
+
 def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
     tmp = checkpoint.begin(root, step)
     stages.actors("save", str(tmp))

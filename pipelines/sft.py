@@ -43,7 +43,7 @@ from transformers import AutoTokenizer
 from engine.config import Config
 from engine.data import Example, PromptLoader, load_examples
 from engine.tracking import Tracker
-from pipelines.driver import Stages, make_runner, run
+from pipelines.driver import Stages, even_cut, make_runner, run
 from pipelines.grpo import GET_TIMEOUT_S
 
 
@@ -95,7 +95,8 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     t, workers = cfg.trainer, cfg.placement.workers
     examples, counts = load(cfg, model_path, files["train"])
     val_examples = load(cfg, model_path, files["val"])[0][:cfg.data.val_max_prompts or None]
-    val = shard(val_examples, workers)  # equal shards: a remainder is left out
+    val_examples, counts["val_left_out"] = even_cut(val_examples, workers, "validation examples")
+    val = shard(val_examples, workers)
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(examples, cfg.data.prompts_per_step, t.seed)
     stages = Stages(cfg, model_path, reference=False)

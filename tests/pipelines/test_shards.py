@@ -1,6 +1,7 @@
 import torch
 
 from engine.batch import Batch
+from pipelines.driver import even_cut
 from pipelines.grpo import balanced_shards, shards
 
 
@@ -24,3 +25,10 @@ def test_prompt_shards_keep_every_prompt_in_order():
     assert shards(list(range(8)), 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert shards(list(range(5)), 2) == [[0, 1], [2, 3, 4]]  # validation sets need not divide
     assert shards([0], 2) == [[], [0]]
+
+
+def test_an_even_cut_says_what_it_leaves_out(capsys):
+    assert even_cut(list(range(5)), 2, "validation pairs") == ([0, 1, 2, 3], 1)
+    assert "validation pairs: 1 of 5 left out" in capsys.readouterr().out
+    assert even_cut(list(range(4)), 2, "validation pairs") == ([0, 1, 2, 3], 0)
+    assert capsys.readouterr().out == ""
