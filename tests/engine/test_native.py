@@ -131,7 +131,7 @@ def test_chunked_prefill_of_long_prompts_matches_whole(model_dir, tok):
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
 
 
-def _tp_worker(rank: int, port: int, model_dir: str, out: str, device: str) -> None:
+def _tp_worker(rank: int, store: str, model_dir: str, out: str, device: str) -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -140,7 +140,9 @@ def _tp_worker(rank: int, port: int, model_dir: str, out: str, device: str) -> N
     if device == "cuda":
         torch.cuda.set_device(rank)
         torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+    # a file store, which no rank hosts: with a TCP store on rank 0, rank 1 once aborted in teardown
+    # under load, likely because rank 0 exited with the store first
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}",
                             rank=rank, world_size=2)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = NativeCausalLM.from_pretrained(model_dir, tp=TP(rank, 2), device=device)
@@ -162,14 +164,9 @@ def test_tensor_parallel_generation_matches_one_process(model_dir, tok, tmp_path
     """Two ranks (gloo on CPU; NCCL and CUDA graphs on 2 GPUs) each hold half the heads and half
     the MLP; they must agree with each other and with the unsplit model (fp32: tokens equal,
     logprobs to float noise)."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_tp_worker, args=(port, str(model_dir), str(tmp_path / "out"), device), nprocs=2)
+    mp.spawn(_tp_worker, args=(str(tmp_path / "store"), str(model_dir), str(tmp_path / "out"), device), nprocs=2)
     ranks = [torch.load(tmp_path / f"out.{r}", weights_only=False) for r in range(2)]
     assert all(r["graphs"] for r in ranks) == (device == "cuda")
     engine = NativeRollout(model_dir, tok, max_slots=4, max_len=64, device=device, cuda_graphs=False)
