@@ -20,12 +20,44 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("rlflow.checkpoint")
+
+
+BYTES_PER_PARAMETER = 12  # fp32 weights (model.safetensors) and AdamW's two fp32 moments (trainer/)
+
+
+def model_parameters(model_path: str | Path) -> int:
+    """How many parameters a HF directory's safetensors files hold, from their headers alone."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return total
+
+
+def disk_shortfall(root: Path, parameters: int, keep_last: int, copies: int) -> str | None:
+    """Why `root`'s disk may not hold the run's checkpoints, or None when it will: at the peak,
+    `keep_last` checkpoints of `parameters` parameters are kept while the next is written, and
+    `copies` more of the final one exist (an MLflow store's on this disk). Checkpoints already
+    under `root` count as room, since pruning frees them."""
+    one = parameters * BYTES_PER_PARAMETER
+    need = one * (keep_last + 1 + copies)
+    root.mkdir(parents=True, exist_ok=True)
+    have = shutil.disk_usage(root).free + sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    if have >= need:
+        return None
+    return (f"the checkpoints under {root} may not fit: each holds ~{one / 1e9:.1f} GB (fp32 weights and "
+            f"optimizer state), and {keep_last} kept + 1 being written + {copies} copied into MLflow need "
+            f"~{need / 1e9:.1f} GB, but the disk has {have / 1e9:.1f} GB. Free space, or lower "
+            f"trainer.keep_last, or set trainer.log_checkpoint=false, or point trainer.output_dir elsewhere")
 
 
 def step_dir(root: Path, step: int) -> Path:

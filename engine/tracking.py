@@ -37,6 +37,7 @@ import time
 import warnings
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlparse
 
 from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
@@ -128,6 +129,14 @@ class Tracker:
     @property
     def run_id(self) -> str:
         return self._run_id
+
+    def local_artifacts(self) -> bool:
+        """Whether this run's artifacts are files on this machine (a local store), not uploads."""
+        try:
+            uri = self.client.get_run(self._run_id).info.artifact_uri
+        except MlflowException:
+            return False
+        return urlparse(uri).scheme in ("", "file")
 
     def _attach(self, run_id: str) -> str:
         if self.client.get_run(run_id).info.status != "RUNNING":  # resuming a terminated run

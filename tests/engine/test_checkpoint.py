@@ -69,3 +69,16 @@ def test_optimizer_shards_load_plain_data_only(tmp_path):
     with pytest.raises(dcp.api.CheckpointException) as failed:  # DCP wraps each rank's error
         load_shards({"w": torch.zeros(3), "evil": None}, tmp_path / "evil")
     assert "Weights only load failed" in repr(failed.value.failures)
+
+
+def test_the_disk_check_counts_the_model_and_warns_before_a_run_that_would_not_fit(model_dir, tmp_path):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    n = checkpoint.model_parameters(model_dir)
+    assert n == sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    assert checkpoint.disk_shortfall(tmp_path / "ckpt", n, keep_last=2, copies=1) is None
+    huge = shutil.disk_usage(tmp_path).free // checkpoint.BYTES_PER_PARAMETER  # one checkpoint fills the disk
+    why = checkpoint.disk_shortfall(tmp_path / "ckpt", huge, keep_last=2, copies=1)
+    assert why and "2 kept + 1 being written + 1 copied" in why and "trainer.log_checkpoint=false" in why
