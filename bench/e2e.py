@@ -223,6 +223,10 @@ def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, 
     }
     for section, values in (gpu if cuda else {}).items():
         conf.setdefault(section, {}).update(values)
+    for item in getattr(args, "rlflow_set", None) or []:  # --rlflow-set section.key=value
+        key, _, value = item.partition("=")
+        section, _, name = key.partition(".")
+        conf.setdefault(section, {})[name] = yaml.safe_load(value)
     return conf
 
 
@@ -438,6 +442,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rlflow-micro-tokens", type=int, default=16384,
                     help="rlflow actor.micro_batch_tokens_per_gpu (rows x width: 32 sequences of 512)")
+    ap.add_argument("--rlflow-set", action="append", metavar="SECTION.KEY=VALUE",
+                    help="an rlflow config setting for its job, e.g. actor.compile_layers=true (repeatable)")
     ap.add_argument("--trl-micro", type=int, default=64, help="TRL's first micro-batch try, in sequences")
     ap.add_argument("--trl-modes", default="default,no-ckpt", help=f"comma list of {sorted(TRL_MODES)}")
     ap.add_argument("--out", default=str(Path(os.environ["OUT"]) / "e2e.json") if os.environ.get("OUT")
