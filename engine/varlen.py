@@ -59,6 +59,27 @@ def sequences(position_ids: torch.Tensor | None,
     return keep, torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)), int(lengths.max())
 
 
+_last: list[Any] = []  # [source tensor, its version, rows, `sequences` of it]: the last forward's
+
+
+@torch.compiler.disable
+def _shared_sequences(position_ids: torch.Tensor | None, mask: torch.Tensor | None,
+                      rows: int) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    """`sequences` once per forward, not once per layer (each costs a host sync): every layer gets
+    the same mask or position-ids tensor, so the last answer stands while that tensor is the same
+    object, unmodified. Holding it keeps its id from going to a new tensor."""
+    source = mask if mask is not None else position_ids
+    try:
+        version = None if source is None else source._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter: no reuse
+        version = None
+    if version is not None and _last and _last[0] is source and _last[1:3] == [version, rows]:
+        return _last[3]
+    found = sequences(None if position_ids is None else position_ids.expand(rows, -1), mask)
+    _last[:] = [] if version is None else [source, version, rows, found]
+    return found
+
+
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
          scale: float | None) -> torch.Tensor:
     """Causal varlen attention of q [T, heads, D] and k/v [T, kv_heads, D], across torch versions."""
@@ -98,7 +119,7 @@ def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position
     """Causal attention of each sequence (`sequences`) of rows q [B, heads, S, D], k/v
     [B, kv_heads, S, D] -> [B, S, heads, D], zeros at padding."""
     b, heads, s, d = query.shape
-    keep, cu, longest = sequences(None if position_ids is None else position_ids.expand(b, s), mask)
+    keep, cu, longest = _shared_sequences(position_ids, mask, b)
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
     if keep is None:
         return _run(q, k, v, cu, longest, scale).view(b, s, heads, d)

@@ -25,6 +25,24 @@ def test_sequences_of_padded_rows_are_their_real_tokens():
     assert keep.tolist() == [1, 2, 3, 5, 6, 7, 8, 9, 12] and cu.tolist() == [0, 3, 8, 9] and longest == 5
 
 
+def test_a_forwards_layers_share_one_scan_of_its_sequences():
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    first = varlen._shared_sequences(pos, None, 2)  # what every layer of a forward asks, with the same tensor
+    assert varlen._shared_sequences(pos, None, 2) is first and first[1].tolist() == [0, 3, 5, 8, 10]
+    again = varlen._shared_sequences(pos.clone(), None, 2)  # the next forward's tensor: scanned anew
+    assert again is not first and again[1].tolist() == first[1].tolist()
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    varlen._shared_sequences(pos, None, 1)
+    pos[0, 3] = 3  # changed in place: its version moves on, so the scan runs again
+    assert varlen._shared_sequences(pos, None, 1)[1].tolist() == [0, 5]
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    padded = varlen._shared_sequences(None, mask, 2)
+    assert varlen._shared_sequences(None, mask, 2) is padded and padded[0].tolist() == [1, 2, 3, 4, 5]
+    with torch.inference_mode():  # no version counter to trust: scanned every time
+        frozen = torch.tensor([[0, 1, 0]])
+        assert varlen._shared_sequences(frozen, None, 1) is not varlen._shared_sequences(frozen, None, 1)
+
+
 def test_varlen_is_chosen_only_where_its_kernel_runs():
     assert not varlen.available(torch.device("cpu"), torch.bfloat16)
     assert not varlen.available(torch.device("cuda"), torch.float32)
