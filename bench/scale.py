@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, gpus: int, model: Path, train: Path, val: Path
     env = e2e.child_env(MLFLOW_TRACKING_URI=uri, MLFLOW_ALLOW_FILE_STORE="true")
     rc, tail = e2e.run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf), *args.overrides],
                               work / "rlflow.log", env)
-    if rc:  # e.g. the final checkpoint of a 7B run (~120 GB with the optimizer state) filled the disk
+    if rc:  # e.g. a 7B run's final checkpoint (~90 GB) and MLflow's copy filled the disk
         print(f"  the job failed (exit {rc}); the steps it logged are read all the same. Log "
               f"{work / 'rlflow.log'} ends:\n{tail[-2000:]}", flush=True)
     m = e2e.read_metrics(uri, finished=not rc)

@@ -105,6 +105,16 @@ def git_commit() -> str:
         return ""
 
 
+def check_disk(cfg: Config, model_path: str, tracker: Tracker) -> None:
+    """Say at the start, not at the final save hours later, when the checkpoints may not fit."""
+    models = 2 if cfg.algorithm.advantage == "gae" else 1  # PPO's critic: the policy's backbone, its own AdamW
+    copies = int(cfg.trainer.log_checkpoint and tracker.local_artifacts())
+    why = checkpoint.disk_shortfall(Path(cfg.trainer.output_dir) / "checkpoints",
+                                    models * checkpoint.model_parameters(model_path), cfg.trainer.keep_last, copies)
+    if why:
+        print(f"rlflow: warning: {why}", flush=True)
+
+
 def train(cfg: Config) -> dict[str, str]:
     from pipelines import dpo, grpo, sft
 
@@ -121,6 +131,7 @@ def train(cfg: Config) -> dict[str, str]:
         tracker.log_params(to_dict(cfg))
         tracker.log_dict(to_dict(cfg), "config.yaml")
         tracker.log_datasets(files)
+        check_disk(cfg, model_path, tracker)
         init_ray(cfg)
         if cfg.algorithm.name == "sft":  # the supervised training is the run: no warm start before it
             export = sft.train(cfg, model_path, files, tracker)

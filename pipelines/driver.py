@@ -31,7 +31,6 @@ class Stages:
 
     def __init__(self, cfg: Config, model_path: str, reference: bool) -> None:
         p = cfg.placement
-        self.model_path = model_path
         device = "cuda" if p.gpus_per_worker else "cpu"
         self.roles = {"actor": "hybrid"}
         if reference:
@@ -122,9 +121,7 @@ def run(cfg: Config, stages: Stages, graph: Graph, loader: PromptLoader, tracker
     every trainer.val_every steps (outside the step's time), checkpointing every save_every; ends
     with a validation, the final checkpoint and the export, which it returns."""
     t, root = cfg.trainer, Path(cfg.trainer.output_dir) / "checkpoints"
-    from pipelines.grpo import check_disk, check_health
-
-    check_disk(cfg, stages.model_path, root, tracker)
+    from pipelines.grpo import check_health
 
     release: Callable = lambda: None  # noqa: E731
     try:

@@ -340,7 +340,6 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(train_prompts, cfg.data.prompts_per_step, t.seed)
     root = out / "checkpoints"
-    check_disk(cfg, model_path, root, tracker)
     last_ckpt = checkpoint.find_resume(root, t.resume)
     live = Workers(cfg, model_path, last_ckpt, loader)
     step, restarts = live.start, 0
@@ -390,16 +389,6 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
         return export
     finally:
         live.close()
-
-
-def check_disk(cfg: Config, model_path: str, root: Path, tracker: Tracker) -> None:
-    """Say at the start, not at the final save hours later, when the checkpoints may not fit."""
-    models = 2 if cfg.algorithm.advantage == "gae" else 1  # PPO's critic: the policy's backbone, its own AdamW
-    copies = int(cfg.trainer.log_checkpoint and tracker.local_artifacts())
-    why = checkpoint.disk_shortfall(root, models * checkpoint.model_parameters(model_path), cfg.trainer.keep_last,
-                                    copies)
-    if why:
-        print(f"rlflow: warning: {why}", flush=True)
 
 
 def check_health(metrics: dict[str, float], limit: int, last_ckpt: Path | None) -> None:
