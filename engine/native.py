@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from engine import kernels
 from engine.native_model import KVCache, NativeCausalLM, fused, head_dim
 from engine.rollout import Completion, SamplingParams, stop_ids
 
@@ -79,6 +80,8 @@ def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], logprobs [B]) from logits [B, V]; logprobs over the full vocabulary."""
     if params.temperature > 0 and params.top_k == 0 and params.top_p == 1.0:
+        if kernels.available(logits):
+            return kernels.gumbel_sample(logits, params.temperature, generator)
         noise = torch.rand(logits.shape, generator=generator, device=logits.device)
         return gumbel_pick(logits, noise, params.temperature)
     scaled = logits.float() / (params.temperature or 1.0)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
+
 SUPPORTED = ("qwen2", "qwen3", "llama")
 # HF name piece -> (fused module name, shard id)
 PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -282,6 +284,8 @@ class Attention(nn.Module):
         assert ctx.kv_lens is not None and ctx.mask is not None
         B = q.shape[0]
         ck, cv = ctx.cache.k[self.layer], ctx.cache.v[self.layer]  # [slots, KV, L, D]
+        if kernels.available(q):  # one kernel: the cache write, then only each row's live columns
+            return kernels.decode_attention(q[:, 0], k[:, 0], v[:, 0], ck, cv, ctx.kv_lens)
         rows = torch.arange(B, device=q.device)
         ck[rows, :, ctx.kv_lens] = k[:, 0]
         cv[rows, :, ctx.kv_lens] = v[:, 0]
