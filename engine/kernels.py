@@ -5,19 +5,23 @@ two-thirds live, per layer: the written-out attention (engine/native_model.py) 3
 flash kernel with per-row lengths (`aten._flash_attention_forward(seqused_k=)`) 39 us, flex
 attention's decoding 217 us, against a floor of 7 us to read the live K/V once. The flash
 kernel runs each query head on its own and so reads every K/V head once per query head; and
-sampling compiled by inductor took 233 us to read 78 MB of logits (a 16 us floor).
+sampling compiled by inductor took 233 us to read 78 MB of logits (a 16 us floor) and write its
+noise.
 
 - `decode_attention`: one program per (row, KV head) writes the step's K/V into the cache and runs
   that head's G query heads together over the row's live cache columns only, with an online
   softmax (the two cache writes were kernels of their own, ~4 us each).
-- `gumbel_sample`: a draw from softmax(logits / T) by the Gumbel-max trick, the noise made in the
-  kernel (Philox, from one seed drawn from the caller's generator), over the vocabulary in
-  chunks; a few small torch ops combine the chunks' argmax and log-sum-exp.
+- `categorical_sample`: a draw from softmax(logits / T) by inverting its CDF at one uniform per
+  row. One pass over the vocabulary in chunks gives each chunk's mass; small torch ops pick the
+  chunk; a second kernel scans only that chunk. Per-token Gumbel noise (the eager path's trick)
+  cost 240 us of a 277 us kernel at 256 rows (Philox and two logs per token); this reads the
+  logits once, and one chunk per row again.
 
 Invariants:
-- the same math as the eager paths (engine/native_model.decode_attention, engine/native.gumbel_pick)
+- the same math as the eager paths (engine/native_model.decode_attention, engine/native.sample)
   up to rounding: fp32 scores and softmax;
-- the same seed gives the same samples; randomness comes only from the caller's generator.
+- the same seed gives the same samples; randomness comes only from the caller's generator
+  (not the same samples as the eager path's: a different draw from the same distribution).
 `RLFLOW_TRITON=0` switches both off (the eager paths run instead), e.g. to compare.
 
 Run: python -m pytest -m gpu tests/engine/test_kernels.py
@@ -77,20 +81,31 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + heads * so_h + d[None, :], out, mask=(g < G)[:, None])
 
     @triton.jit
-    def _gumbel_chunks(logits_ptr, seed_ptr, best_ptr, where_ptr, max_ptr, sum_ptr, V, stride, inv_t,
-                       BLOCK: tl.constexpr):
+    def _chunk_mass(logits_ptr, max_ptr, sum_ptr, V, stride, inv_t, BLOCK: tl.constexpr):
+        """Per (row, chunk of the vocabulary): the largest tempered logit m and sum(exp(x - m))."""
         b, c = tl.program_id(0), tl.program_id(1)
         cols = c * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < V
-        x = tl.load(logits_ptr + b * stride + cols, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
-        u = tl.rand(tl.load(seed_ptr), b * V + cols)  # uniform [0, 1), one counter per (row, token)
-        perturbed = tl.where(ok, x - tl.log(-tl.log(u)), float("-inf"))
+        x = tl.load(logits_ptr + b.to(tl.int64) * stride + cols, mask=cols < V, other=float("-inf"))
+        x = x.to(tl.float32) * inv_t
         top = tl.max(x, 0)
         out = b * tl.num_programs(1) + c
-        tl.store(best_ptr + out, tl.max(perturbed, 0))
-        tl.store(where_ptr + out, c * BLOCK + tl.argmax(perturbed, 0))
         tl.store(max_ptr + out, top)
         tl.store(sum_ptr + out, tl.sum(tl.exp(x - top), 0))
+
+    @triton.jit
+    def _pick_in_chunk(logits_ptr, chunk_ptr, max_ptr, rest_ptr, token_ptr, V, stride, inv_t, C,
+                       BLOCK: tl.constexpr):
+        """Per row: in its chosen chunk, the first token where the running sum of exp(x - m) passes
+        the row's remaining mass."""
+        b = tl.program_id(0)
+        c = tl.load(chunk_ptr + b)
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + b.to(tl.int64) * stride + cols, mask=cols < V, other=float("-inf"))
+        running = tl.cumsum(tl.exp(x.to(tl.float32) * inv_t - tl.load(max_ptr + b * C + c)), 0)
+        # the chunk's total was summed in another order: stay below this sum's end, so the pick
+        # always lands on a token with mass
+        rest = tl.minimum(tl.load(rest_ptr + b), tl.max(running, 0) * 0.99999)
+        tl.store(token_ptr + b, c * BLOCK + tl.sum((running <= rest).to(tl.int64), 0))
 
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor,
@@ -110,21 +125,24 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     return out
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: float,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B]) drawn from softmax(logits [B, V] / temperature)."""
+def categorical_sample(logits: torch.Tensor, temperature: float,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) drawn from softmax(logits [B, V] / temperature) by inverting its
+    CDF at one uniform per row: the chunk whose cumulative mass passes it, then the token inside."""
     B, V = logits.shape
-    if B * V >= 2 ** 31:
-        raise ValueError(f"{B} rows x {V} tokens overflow the sampler's 32-bit noise counter")
     assert logits.stride(-1) == 1
-    block = 4096
+    block, device = 4096, logits.device
     chunks = triton.cdiv(V, block)
-    seed = torch.randint(2 ** 31 - 1, (1,), generator=generator, device=logits.device)
-    best, top, total = (torch.empty(B, chunks, device=logits.device) for _ in range(3))
-    where = torch.empty(B, chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_chunks[(B, chunks)](logits, seed, best, where, top, total, V, logits.stride(0), 1.0 / temperature,
-                                BLOCK=block)
-    tokens = where.gather(-1, best.argmax(-1, keepdim=True)).long()  # [B, 1]
-    peak = top.amax(-1, keepdim=True)
-    lse = peak[:, 0] + (total * (top - peak).exp()).sum(-1).log()
-    return tokens[:, 0], logits.gather(-1, tokens)[:, 0].float() / temperature - lse
+    top, total = torch.empty(B, chunks, device=device), torch.empty(B, chunks, device=device)
+    _chunk_mass[(B, chunks)](logits, top, total, V, logits.stride(0), 1.0 / temperature, BLOCK=block)
+    peak = top.amax(-1, keepdim=True)  # [B, 1]
+    mass = total * (top - peak).exp()  # [B, C], in units of exp(peak)
+    cumulative = mass.cumsum(-1)
+    target = torch.rand(B, 1, generator=generator, device=device) * cumulative[:, -1:]
+    chunk = torch.searchsorted(cumulative, target, right=True).clamp_(max=chunks - 1)  # [B, 1]
+    rest = (target - cumulative.gather(-1, chunk) + mass.gather(-1, chunk)) / (top.gather(-1, chunk) - peak).exp()
+    tokens = torch.empty(B, dtype=torch.long, device=device)
+    _pick_in_chunk[(B,)](logits, chunk, top, rest, tokens, V, logits.stride(0), 1.0 / temperature, chunks,
+                         BLOCK=block)
+    lse = peak[:, 0] + cumulative[:, -1].log()
+    return tokens, logits.gather(-1, tokens[:, None])[:, 0].float() / temperature - lse

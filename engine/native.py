@@ -81,7 +81,7 @@ def sample(logits: torch.Tensor, params: SamplingParams,
     """(tokens [B], logprobs [B]) from logits [B, V]; logprobs over the full vocabulary."""
     if params.temperature > 0 and params.top_k == 0 and params.top_p == 1.0:
         if kernels.available(logits):
-            return kernels.gumbel_sample(logits, params.temperature, generator)
+            return kernels.categorical_sample(logits, params.temperature, generator)
         noise = torch.rand(logits.shape, generator=generator, device=logits.device)
         return gumbel_pick(logits, noise, params.temperature)
     scaled = logits.float() / (params.temperature or 1.0)
