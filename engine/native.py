@@ -48,11 +48,6 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""  # "" while running, then "stop" | "length"
 
-    @property
-    def cached(self) -> int:
-        """Tokens whose K/V are in the slot: the prompt and all but the last sampled token."""
-        return len(self.prompt) + len(self.tokens) - 1
-
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask to -inf what top-k / top-p exclude from sampling; logits [B, V] already tempered."""
@@ -122,18 +117,22 @@ class NativeRollout:
         self._cache_at = (0, 0)  # the KV cache's (K, V) addresses when last released
         self.phase_s: dict[str, float] | None = None  # set to {} to profile generate (see _lap)
         self._lap_start = 0.0
+        # the next decode's inputs per slot, kept on the device (the graphs' static inputs): each
+        # step writes them from its samples, so decode needs no host-built tensors
+        self._ids = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # last token
+        self._kv_lens = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # tokens cached
         # CUDA graphs for decode (captured on first use); None = eager, as on CPU
         self.graphs: dict[int, torch.cuda.CUDAGraph] | None = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = {}
             self.graph_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < max_slots}
                                       | set(range(64, max_slots, 64)) | {max_slots})
-            self._ids = torch.zeros(max_slots, dtype=torch.long, device=self.device)
-            self._kv_lens = torch.zeros(max_slots, dtype=torch.long, device=self.device)
             self._hidden = torch.zeros(max_slots, cfg.hidden_size, dtype=weight.dtype, device=self.device)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
+        self._ids.zero_()  # every slot idle
+        self._kv_lens.zero_()
         if self.graphs == {}:  # capture before any prefill: warm-up decodes scribble on the slots
             with torch.inference_mode():
                 self._capture(self.graphs)
@@ -143,32 +142,56 @@ class NativeRollout:
         done: list[Completion | None] = [None] * len(waiting)
         free = list(range(self.max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         running: list[_Seq] = []
+        rows: torch.Tensor | None = None  # running's slots on the device, while running is unchanged
         with torch.inference_mode():
             self._lap("")
             while waiting or running:
                 # schedule: admit what fits, else decode everyone; run; sample; retire
                 admitted = self._admit(waiting, free)
                 self._lap("schedule")
-                logits = self._prefill(admitted) if admitted else self._decode(running)
+                if admitted:
+                    stepped, slots = admitted, self._slots(admitted)
+                    logits = self._prefill(admitted)
+                else:
+                    rows = self._slots(running) if rows is None else rows
+                    stepped, slots = running, rows
+                    logits = self._decode(running, rows)
                 self._lap("prefill" if admitted else "decode")
-                stepped = admitted or running
-                running = running + admitted
                 tokens, logprobs = sample(logits, params, generator)
+                self._advance(slots, tokens, admitted)
                 self._lap("sample")
                 logprobs_list = logprobs.tolist()
                 if any(lp != lp for lp in logprobs_list):  # NaN: sampling from it would be noise
                     raise FloatingPointError("the policy's logits are NaN: its weights hold non-finite values")
+                retired = []
                 for seq, tok, lp in zip(stepped, tokens.tolist(), logprobs_list):
                     seq.tokens.append(tok)
                     seq.logprobs.append(lp)
                     seq.finish = self._finish(seq, stops, params)
                     if seq.finish:
-                        free.append(seq.slot)
+                        retired.append(seq.slot)
                         done[seq.index] = Completion(seq.tokens, seq.logprobs, seq.finish)
-                running = [s for s in running if not s.finish]
+                running = running + admitted
+                if admitted or retired:
+                    running, rows = [s for s in running if not s.finish], None
+                if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
+                    self._kv_lens[torch.tensor(retired, device=self.device)] = 0
+                    free.extend(retired)
                 self._lap("schedule")
         flat = [c for c in done if c is not None]
         return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
+
+    def _slots(self, seqs: list[_Seq]) -> torch.Tensor:
+        return torch.tensor([s.slot for s in seqs], device=self.device)
+
+    def _advance(self, slots: torch.Tensor, tokens: torch.Tensor, admitted: list[_Seq]) -> None:
+        """The next decode's inputs, on the device: each stepped slot's new token, and its cached
+        count (the prompt after a prefill, one more after a decode)."""
+        self._ids[slots] = tokens
+        if admitted:
+            self._kv_lens[slots] = torch.tensor([len(s.prompt) for s in admitted], device=self.device)
+        else:
+            self._kv_lens[slots] += 1
 
     def _lap(self, phase: str) -> None:
         """With `phase_s` set (a dict), add the time since the last lap to `phase_s[phase]`,
@@ -243,35 +266,22 @@ class NativeRollout:
             self.cache.k[:, dst, :, :width] = self.cache.k[:, src, :, :width]
             self.cache.v[:, dst, :, :width] = self.cache.v[:, src, :, :width]
 
-    def _decode(self, batch: list[_Seq]) -> torch.Tensor:
-        """Feed each sequence's last token; logits [B, V] for the next one.
+    def _decode(self, batch: list[_Seq], slots: torch.Tensor) -> torch.Tensor:
+        """Feed each sequence's last token; logits [B, V] for the next one, in `batch` order
+        (`slots` [B], their slots on the device).
 
-        Decode runs over rows 0..R-1 with row i on slot i (R covers the highest busy slot,
-        rounded up to a captured graph size on CUDA); idle rows are computed and dropped."""
-        slots = [s.slot for s in batch]
-        rows = self._rows(max(slots) + 1)
-        ids = torch.zeros(rows, dtype=torch.long)
-        kv_lens = torch.zeros(rows, dtype=torch.long)
-        ids[slots] = torch.tensor([s.tokens[-1] for s in batch])
-        kv_lens[slots] = torch.tensor([s.cached for s in batch])
+        Decode runs over rows 0..R-1 with row i on slot i, from the inputs `_advance` left (R
+        covers the highest busy slot, rounded up to a captured graph size on CUDA); idle rows are
+        computed and dropped."""
+        busy = max(s.slot for s in batch) + 1
         if self.graphs is None:
-            hidden = self.model.decode(ids.to(self.device), kv_lens.to(self.device), self.cache,
-                                       int(kv_lens.max()) + 1)
+            kv_lens = self._kv_lens[:busy]
+            hidden = self.model.decode(self._ids[:busy], kv_lens, self.cache, int(kv_lens.max()) + 1)
         else:
-            hidden = self._replay(ids, kv_lens)
-        return self.model.logits(hidden[torch.tensor(slots, device=self.device)])
-
-    def _rows(self, busy: int) -> int:
-        return busy if self.graphs is None else next(b for b in self.graph_sizes if b >= busy)
-
-    def _replay(self, ids: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
-        """Decode through the CUDA graph captured for len(ids) rows; hidden [R, H] (a static buffer)."""
-        assert self.graphs
-        rows = len(ids)
-        self._ids[:rows].copy_(ids, non_blocking=True)
-        self._kv_lens[:rows].copy_(kv_lens, non_blocking=True)
-        self.graphs[rows].replay()
-        return self._hidden[:rows]
+            rows = next(b for b in self.graph_sizes if b >= busy)
+            self.graphs[rows].replay()
+            hidden = self._hidden[:rows]
+        return self.model.logits(hidden[slots])
 
     def _capture(self, graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
         """One graph per row count, largest first, sharing one memory pool. Inputs are static
