@@ -4,9 +4,10 @@ Measured on one H200 (torch 2.11), Qwen2.5-0.5B shape, 256 rows over a 384-colum
 two-thirds live, per layer: the written-out attention (engine/native_model.py) 33 us, PyTorch's
 flash kernel with per-row lengths (`aten._flash_attention_forward(seqused_k=)`) 39 us, flex
 attention's decoding 217 us, against a floor of 7 us to read the live K/V once. The flash
-kernel runs each query head on its own and so reads every K/V head once per query head; and
-sampling compiled by inductor took 233 us to read 78 MB of logits (a 16 us floor) and write its
-noise.
+kernel runs each query head on its own and so reads every K/V head once per query head. The
+sampler inductor compiled took 233 us to read the 78 MB of bf16 logits and their 155 MB of fp32
+noise (a 49 us floor), after 65 us to make the noise. `bench/decode_kernels.py` re-runs the
+comparison.
 
 - `decode_attention`: one program per (row, KV head) writes the step's K/V into the cache and runs
   that head's G query heads together over the row's live cache columns only, with an online
