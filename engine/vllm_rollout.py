@@ -21,8 +21,9 @@ Invariants (those of engine/rollout.py, plus):
   `load_weights` refuse to run until `resume_memory`;
 - one engine per process: shutting a vLLM engine down tears down process-wide state (its
   distributed groups) that any other engine in the process still uses;
-- building the engine seeds this process's global RNGs and, on CPU, sets torch to one thread
-  unless OMP_NUM_THREADS is set (Ray sets it in workers) and turns `torch.set_num_threads` into a
+- the engine is built, and every call into it made, on one thread of its own, whichever thread
+  calls this class (a compiled graph's, the actor's main one);
+- building the engine seeds this process's global RNGs and turns `torch.set_num_threads` into a
   no-op (vLLM's in-process engine and CPU worker do these): build it before anything relies on
   either, as the actor does.
 
@@ -32,14 +33,16 @@ Run: tests/engine/test_rollout_contract.py (needs the `vllm` extra; skipped with
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
 from engine.rollout import Completion, SamplingParams
 
+T = TypeVar("T")
 MAX_SEQS = 256  # sequences decoded at once; the CPU KV cache is sized for this many at max_len
 
 
@@ -48,18 +51,26 @@ class VLLMRollout:
 
     def __init__(self, model_dir: str | Path, tokenizer: Any, max_len: int, dtype: torch.dtype) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights by reference
-        # CPU: vLLM would pin its OpenMP threads from the thread that builds it and size its attention
-        # plans for them, while a compiled graph calls generate from another thread with the process's
-        # own thread count (Ray's OMP_NUM_THREADS): the two must agree, so leave threads to the process
+        # CPU: vLLM would pin its OpenMP threads from the thread that builds it; leave threads to the process
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         import torch.distributed as dist
-        from vllm import LLM
-        from vllm.platforms import current_platform
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise NotImplementedError("rollout.backend=vllm runs one engine per process and would join the "
                                       "trainer's data-parallel group as its own; use placement.workers=1")
         self.tokenizer = tokenizer
+        self.released = False
+        # vLLM-CPU's attention plans its OpenMP threads on the thread that built the engine and checks
+        # them on every call, while a compiled graph calls from a thread of its own: with torch's
+        # libgomp preloaded (as vLLM asks, and sets for child processes) the two counts differ and
+        # the kernel aborts. So the engine lives on one thread: built there, every call made there.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm")
+        self._on_thread(self._build, model_dir, max_len, dtype)
+
+    def _build(self, model_dir: str | Path, max_len: int, dtype: torch.dtype) -> None:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
         self.can_sleep = current_platform.is_sleep_mode_available()
         name = cast(Any, str(dtype).removeprefix("torch."))  # "float32" | "bfloat16" | ...
         self.llm = LLM(model=str(model_dir), tokenizer=str(model_dir), dtype=name, max_model_len=max_len,
@@ -68,9 +79,14 @@ class VLLMRollout:
                        enable_sleep_mode=self.can_sleep, enforce_eager=not torch.cuda.is_available())
         self.model = cast(Any, self.llm.apply_model(lambda m: m)[0])  # in-process: the module itself, not a copy
         self.base_scale: float = self.model.logits_processor.scale  # a model's own logit scale (1.0 for Qwen2)
-        self.released = False
+
+    def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return self._thread.submit(fn, *args).result()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        return self._on_thread(self._generate, prompts, params)
+
+    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -90,9 +106,11 @@ class VLLMRollout:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._check_awake()
+        self._on_thread(self._load_weights, [(name, t.detach()) for name, t in named_tensors])
+
+    def _load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         # vLLM's in-place reload: the model's `load_weights`, then the kernel-layout processing (e.g. the CPU
         # GEMM's packed weights) that a bare `load_weights` would leave holding the old values
-        weights = [(name, t.detach()) for name, t in named_tensors]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
         head = self.model.lm_head
         if head.weight is self.model.model.embed_tokens.weight:
@@ -103,12 +121,12 @@ class VLLMRollout:
 
     def release_memory(self) -> None:
         if self.can_sleep:
-            self.llm.sleep(level=1)
+            self._on_thread(self.llm.sleep, 1)
         self.released = True
 
     def resume_memory(self) -> None:
         if self.can_sleep:
-            self.llm.wake_up()
+            self._on_thread(self.llm.wake_up)
         self.released = False
 
     def _check_awake(self) -> None:

@@ -295,11 +295,15 @@ def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
-def test_vllm_backend_gets_every_update(tmp_path):
-    # plain mode: vLLM-CPU's attention sizes its plans by the OpenMP thread count of the thread that
-    # built the engine, and a compiled graph calls generate from another thread (seen to abort in CI)
+def test_vllm_backend_gets_every_update(tmp_path, monkeypatch):
+    # the compiled graph calls generate from a thread of its own; with torch's OpenMP preloaded, as
+    # vLLM asks on CPU (and leaves set in a process that built an engine), vLLM's attention aborted
+    # when that thread was not the one that built the engine
+    gomp = Path(torch.__file__).parent / "lib" / "libgomp.so.1"
+    if gomp.exists():
+        monkeypatch.setenv("LD_PRELOAD", str(gomp))
     rlflow(tmp_path, "out", "rollout.backend=vllm", "trainer.total_steps=2", "trainer.val_every=0",
-           "trainer.dag=plain")
+           "trainer.dag=compiled")
     client, run = only_run(tmp_path)
     assert run.data.params["rollout.backend"] == "vllm"
     metrics = history(client, run.info.run_id)
