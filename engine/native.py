@@ -6,7 +6,10 @@ token for every running sequence, then samples on the model's device and retires
 sequences, whose slots go to waiting requests.
 
 On CUDA, decode replays a CUDA graph captured per row count (decode row i is cache slot i, so
-attention reads the cache in place); prefill and sampling run eagerly. On CPU all of it is eager.
+attention reads the cache in place), whose inputs (each slot's last token and cached count) stay
+on the device: every step's sampling writes them, so a decode step copies nothing in. Prefill and
+sampling run eagerly; attention and sampling use the Triton kernels of engine/kernels.py in half
+precision. On CPU all of it is eager.
 
 Invariants (those of engine/rollout.py, plus):
 - at most `max_slots` sequences run at once; prompt + max_new_tokens must fit in `max_len`;
@@ -285,8 +288,9 @@ class NativeRollout:
 
     def _capture(self, graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
         """One graph per row count, largest first, sharing one memory pool. Inputs are static
-        buffers; every graph attends over the full `max_len` columns, masked per row. The
-        warm-up decodes write K/V into column 0 of the slots, so this runs before any prefill."""
+        buffers; the written-out attention attends over the full `max_len` columns, masked per
+        row (the Triton kernel over each row's live ones). The warm-up decodes write K/V into
+        column 0 of the slots, so this runs before any prefill."""
         pool = None
         for rows in reversed(self.graph_sizes):
             args = (self._ids[:rows], self._kv_lens[:rows], self.cache, self.max_len)
