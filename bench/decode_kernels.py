@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 
 import torch
-from shapes import QWEN25, TINY  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 
 from engine import kernels
 from engine.native import sample
-from engine.native_model import decode_attention
+from engine.native_model import decode_attention, decode_mask
 from engine.rollout import SamplingParams
 
 SHAPES = {**QWEN25, "tiny": TINY}
@@ -45,18 +45,16 @@ def replayed_us(fn: Callable[[], object], cuda: bool, n: int = 50) -> float:
         with torch.cuda.graph(graph):
             fn()
         run = graph.replay
-    return timed_us(run, cuda, n)
+    return timed_us(run, n)
 
 
-def timed_us(fn: Callable[[], object], cuda: bool, n: int = 50) -> float:
+def timed_us(fn: Callable[[], object], n: int = 50) -> float:
     fn()
-    if cuda:
-        torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     for _ in range(n):
         fn()
-    if cuda:
-        torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - start) / n * 1e6
 
 
@@ -69,10 +67,9 @@ def attention_rows(cfg: dict, rows: int, cache: int, device: str, dtype: torch.d
     q = torch.randn(rows, H, D, device=device, dtype=dtype)
     at = torch.arange(rows, device=device)
     k_new, v_new = k[at, :, lens], v[at, :, lens]  # this step's K/V, already in place for the others
-    cols = torch.arange(cache, device=device)
-    mask = torch.zeros((), dtype=dtype, device=device).masked_fill(cols[None] > lens[:, None], float("-inf"))
+    mask = decode_mask(lens, cache, dtype)
     candidates: dict[str, Callable[[], torch.Tensor]] = {
-        "written-out": lambda: decode_attention(q.view(rows, KV, H // KV, D), k, v, mask[:, None, None, :])}
+        "written-out": lambda: decode_attention(q.view(rows, KV, H // KV, D), k, v, mask)}
     cuda = device == "cuda"
     if cuda:
         seq_k, seq_v = (t.transpose(1, 2).contiguous().view(rows * cache, KV, D) for t in (k, v))
@@ -123,7 +120,7 @@ def sampler_rows(cfg: dict, rows: int, device: str, dtype: torch.dtype, tbps: fl
     for name, switch in (("eager", "0"), ("triton", "1")):
         os.environ["RLFLOW_TRITON"] = switch  # engine/kernels.available reads it per call
         if name == "eager" or kernels.available(logits):
-            out[name] = f"{timed_us(lambda: sample(logits, params, generator), device == 'cuda'):.1f} us"
+            out[name] = f"{timed_us(lambda: sample(logits, params, generator)):.1f} us"
     os.environ.pop("RLFLOW_TRITON")
     if before is not None:
         os.environ["RLFLOW_TRITON"] = before

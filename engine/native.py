@@ -174,9 +174,8 @@ class NativeRollout:
                     if seq.finish:
                         retired.append(seq.slot)
                         done[seq.index] = Completion(seq.tokens, seq.logprobs, seq.finish)
-                running = running + admitted
                 if admitted or retired:
-                    running, rows = [s for s in running if not s.finish], None
+                    running, rows = [s for s in running + admitted if not s.finish], None
                 if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
                     self._kv_lens[torch.tensor(retired, device=self.device)] = 0
                     free.extend(retired)

@@ -187,6 +187,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return scores.softmax(-1).to(v.dtype) @ v
 
 
+def decode_mask(kv_lens: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, 1, W] for decode_attention: row i attends columns 0..kv_lens[i]. Built
+    once per step in the compute dtype rather than converted in every layer."""
+    cols = torch.arange(width, device=kv_lens.device)
+    return torch.zeros((), dtype=dtype, device=kv_lens.device).masked_fill(
+        cols[None, :] > kv_lens[:, None], float("-inf"))[:, None, None, :]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -206,7 +214,8 @@ class AttnContext:
     slots: torch.Tensor | None = None  # [B] cache slot of each row (prefill)
     start: int = 0  # prefill: tokens of these rows already in the cache (a later chunk of a long prompt)
     kv_lens: torch.Tensor | None = None  # [B] tokens already cached (decode: row i is slot i)
-    mask: torch.Tensor | None = None  # [B, 1, 1, W] additive: 0 attend, -inf not (decode)
+    mask: torch.Tensor | None = None  # [B, 1, 1, W] additive: 0 attend, -inf not (decode; None:
+    # the Triton kernel, which reads kv_lens itself)
 
 
 class KVCache:
@@ -281,10 +290,10 @@ class Attention(nn.Module):
         The query heads that share a KV head ride as that head's "query positions", so attention
         needs neither a KV repeat nor a gather: q [B, KV, G, D] against the cache view [B, KV, W, D]."""
         assert ctx.cache is not None and ctx.cache.k is not None and ctx.cache.v is not None
-        assert ctx.kv_lens is not None and ctx.mask is not None
+        assert ctx.kv_lens is not None
         B = q.shape[0]
         ck, cv = ctx.cache.k[self.layer], ctx.cache.v[self.layer]  # [slots, KV, L, D]
-        if kernels.available(q):  # one kernel: the cache write, then only each row's live columns
+        if ctx.mask is None:  # one kernel: the cache write, then only each row's live columns
             return kernels.decode_attention(q[:, 0], k[:, 0], v[:, 0], ck, cv, ctx.kv_lens)
         rows = torch.arange(B, device=q.device)
         ck[rows, :, ctx.kv_lens] = k[:, 0]
@@ -455,11 +464,9 @@ class NativeCausalLM(nn.Module):
 
         Attends over the first `width` cached columns; a row whose slot is idle (kv_len 0) only
         scribbles on its own column 0, which the next prefill of that slot overwrites."""
-        cols = torch.arange(width, device=ids.device)
-        # additive, in the compute dtype, built once here rather than converted in every layer
-        dtype = self.model.embed_tokens.weight.dtype
-        mask = torch.zeros((), dtype=dtype, device=ids.device).masked_fill(
-            cols[None, :] > kv_lens[:, None], float("-inf"))[:, None, None, :]  # [B, 1, 1, W]
+        weight = self.model.embed_tokens.weight
+        # the Triton kernel reads each row's live columns itself; the written-out attention needs a mask
+        mask = None if kernels.available(weight) else decode_mask(kv_lens, width, weight.dtype)
         positions = kv_lens[:, None]
         ctx = AttnContext(*self._rope(positions), cache, kv_lens=kv_lens, mask=mask)
         return self._run(ids[:, None], ctx)[:, 0]

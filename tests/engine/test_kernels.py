@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.native_model import decode_attention
+from engine.native_model import decode_attention, decode_mask
 
 pytestmark = pytest.mark.gpu
 
@@ -22,8 +22,7 @@ def test_decode_attention_writes_the_step_and_matches_eager(heads, kv_heads, dim
     want_k, want_v = k.clone(), v.clone()
     rows = torch.arange(B, device="cuda")
     want_k[rows, :, lens], want_v[rows, :, lens] = k_new, v_new
-    mask = torch.zeros((), device="cuda", dtype=torch.bfloat16).masked_fill(
-        torch.arange(L, device="cuda")[None] > lens[:, None], float("-inf"))[:, None, None, :]
+    mask = decode_mask(lens, L, torch.bfloat16)
     want = decode_attention(q.view(B, kv_heads, -1, dim), want_k[:B], want_v[:B], mask).view(B, heads, dim)
 
     got = kernels.decode_attention(q, k_new, v_new, k, v, lens)
