@@ -131,7 +131,12 @@ def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` compiled by inductor when its first argument is on CUDA, eager otherwise.
 
     Decode at a few hundred rows is launch-bound: RMSNorm, RoPE and SiLU-gating are chains of
-    tiny elementwise kernels, each costing microseconds; fused they are one kernel apiece."""
+    tiny elementwise kernels, each costing microseconds; fused they are one kernel apiece.
+
+    Shapes are left to dynamo's automatic dynamism: a dimension becomes symbolic only once it
+    changes between calls (rows, tokens), so feature sizes stay constants in the kernels. With
+    every size symbolic (`dynamic=True`) the kernels were much slower: SiLU-gating at 1024
+    decode rows (0.5B shape, H200) took 20.6 us, against 6.6 us with its feature size fixed."""
     compiled: Callable[..., Any] | None = None  # made on first CUDA use: CPU never imports the compiler
 
     @functools.wraps(fn)
@@ -139,7 +144,7 @@ def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
         nonlocal compiled
         if not x.is_cuda:
             return fn(x, *args)
-        compiled = compiled or torch.compile(fn, dynamic=True)
+        compiled = compiled or torch.compile(fn)
         return compiled(x, *args)
     return call
 
