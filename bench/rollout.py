@@ -53,12 +53,14 @@ def roofline(cfg: Qwen2Config, weights: int, seqs: int, prompt: int, new: int, i
     return seqs * tbps * 1e12 / step_bytes
 
 
-def profile(native: NativeRollout) -> None:
-    """Where decode's GPU time goes: the kernels of one CUDA-graph replay at full rows."""
+def profile(native: NativeRollout, mid_len: int) -> None:
+    """Where decode's GPU time goes: the kernels of one CUDA-graph replay at full rows, every row
+    `mid_len` tokens in (a graph that samples moves that on by one a replay)."""
     if not native.graphs:
         return
     rows = native.max_slots
-    graph = native.graphs[rows]
+    graph = native.graphs.get((rows, True)) or native.graphs[(rows, False)]
+    native._kv_lens.fill_(mid_len)  # every row live, halfway through its response
     sync()
     start = time.perf_counter()
     for _ in range(50):
@@ -71,6 +73,7 @@ def profile(native: NativeRollout) -> None:
             graph.replay()
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+    native._kv_lens.zero_()
 
 
 def main() -> None:
@@ -120,7 +123,7 @@ def main() -> None:
     print(f"  native phases (synchronized run, {total:.2f} s): "
           + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)" for k, v in sorted(native.phase_s.items())))
     if args.profile and device == "cuda":
-        profile(native)
+        profile(native, args.prompt + args.new // 2 - 30)  # 60 replays end halfway
     if device == "cuda":
         weights = sum(p.numel() for p in hf_model.parameters())
         peak = roofline(cfg, weights, args.seqs, args.prompt, args.new, dtype.itemsize, args.hbm_tbps)

@@ -21,8 +21,9 @@ comparison.
 Invariants:
 - the same math as the eager paths (engine/native_model.decode_attention, engine/native.sample)
   up to rounding: fp32 scores and softmax;
-- the same seed gives the same samples; randomness comes only from the caller's generator
-  (not the same samples as the eager path's: a different draw from the same distribution).
+- the sampler is deterministic: its randomness is the caller's uniforms (the native engine draws
+  them from the call's seeded generator), so the same seed gives the same samples (not the eager
+  path's samples: a different draw from the same distribution).
 `RLFLOW_TRITON=0` switches both off (the eager paths run instead), e.g. to compare.
 
 Run: python -m pytest -m gpu tests/engine/test_kernels.py
@@ -82,9 +83,10 @@ if triton is not None:
         tl.store(out_ptr + b * so_b + heads * so_h + d[None, :], out, mask=(g < G)[:, None])
 
     @triton.jit
-    def _chunk_mass(logits_ptr, max_ptr, sum_ptr, V, stride, inv_t, BLOCK: tl.constexpr):
+    def _chunk_mass(logits_ptr, max_ptr, sum_ptr, V, stride, inv_t_ptr, BLOCK: tl.constexpr):
         """Per (row, chunk of the vocabulary): the largest tempered logit m and sum(exp(x - m))."""
         b, c = tl.program_id(0), tl.program_id(1)
+        inv_t = tl.load(inv_t_ptr)
         cols = c * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(logits_ptr + b.to(tl.int64) * stride + cols, mask=cols < V, other=float("-inf"))
         x = x.to(tl.float32) * inv_t
@@ -94,11 +96,12 @@ if triton is not None:
         tl.store(sum_ptr + out, tl.sum(tl.exp(x - top), 0))
 
     @triton.jit
-    def _pick_in_chunk(logits_ptr, chunk_ptr, max_ptr, rest_ptr, token_ptr, V, stride, inv_t, C,
+    def _pick_in_chunk(logits_ptr, chunk_ptr, max_ptr, rest_ptr, token_ptr, V, stride, inv_t_ptr, C,
                        BLOCK: tl.constexpr):
         """Per row: in its chosen chunk, the first token where the running sum of exp(x - m) passes
         the row's remaining mass."""
         b = tl.program_id(0)
+        inv_t = tl.load(inv_t_ptr)
         c = tl.load(chunk_ptr + b)
         cols = c * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(logits_ptr + b.to(tl.int64) * stride + cols, mask=cols < V, other=float("-inf"))
@@ -126,24 +129,25 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     return out
 
 
-def categorical_sample(logits: torch.Tensor, temperature: float,
-                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B]) drawn from softmax(logits [B, V] / temperature) by inverting its
-    CDF at one uniform per row: the chunk whose cumulative mass passes it, then the token inside."""
+def categorical_sample(logits: torch.Tensor, inv_t: torch.Tensor,
+                       uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) drawn from softmax(logits [B, V] * inv_t) by inverting its CDF at
+    each row's `uniform` [B] in [0, 1): the chunk whose cumulative mass passes it, then the token
+    inside. `inv_t` is 1/temperature as a one-element float32 tensor on the device, read by the
+    kernels, so a CUDA graph of this serves any temperature; no host sync anywhere."""
     B, V = logits.shape
     assert logits.stride(-1) == 1
     block, device = 4096, logits.device
     chunks = triton.cdiv(V, block)
     top, total = torch.empty(B, chunks, device=device), torch.empty(B, chunks, device=device)
-    _chunk_mass[(B, chunks)](logits, top, total, V, logits.stride(0), 1.0 / temperature, BLOCK=block)
+    _chunk_mass[(B, chunks)](logits, top, total, V, logits.stride(0), inv_t, BLOCK=block)
     peak = top.amax(-1, keepdim=True)  # [B, 1]
     mass = total * (top - peak).exp()  # [B, C], in units of exp(peak)
     cumulative = mass.cumsum(-1)
-    target = torch.rand(B, 1, generator=generator, device=device) * cumulative[:, -1:]
+    target = uniform[:, None] * cumulative[:, -1:]
     chunk = torch.searchsorted(cumulative, target, right=True).clamp_(max=chunks - 1)  # [B, 1]
     rest = (target - cumulative.gather(-1, chunk) + mass.gather(-1, chunk)) / (top.gather(-1, chunk) - peak).exp()
     tokens = torch.empty(B, dtype=torch.long, device=device)
-    _pick_in_chunk[(B,)](logits, chunk, top, rest, tokens, V, logits.stride(0), 1.0 / temperature, chunks,
-                         BLOCK=block)
+    _pick_in_chunk[(B,)](logits, chunk, top, rest, tokens, V, logits.stride(0), inv_t, chunks, BLOCK=block)
     lse = peak[:, 0] + cumulative[:, -1].log()
-    return tokens, logits.gather(-1, tokens[:, None])[:, 0].float() / temperature - lse
+    return tokens, logits.gather(-1, tokens[:, None])[:, 0].float() * inv_t - lse

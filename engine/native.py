@@ -7,9 +7,11 @@ sequences, whose slots go to waiting requests.
 
 On CUDA, decode replays a CUDA graph captured per row count (decode row i is cache slot i, so
 attention reads the cache in place), whose inputs (each slot's last token and cached count) stay
-on the device: every step's sampling writes them, so a decode step copies nothing in. Prefill and
-sampling run eagerly; attention and sampling use the Triton kernels of engine/kernels.py in half
-precision. On CPU all of it is eager.
+on the device: every step's sampling writes them, so a decode step copies nothing in. In half
+precision, attention and sampling use the Triton kernels of engine/kernels.py, and plain sampling
+(temperature only) runs inside the decode graph too: a step is one uniform draw, one replay and
+one copy of its (token, logprob) pairs to the host. Prefill, and sampling with top-k/top-p or
+greedy, run eagerly. On CPU all of it is eager.
 
 Invariants (those of engine/rollout.py, plus):
 - at most `max_slots` sequences run at once; prompt + max_new_tokens must fit in `max_len`;
@@ -74,12 +76,19 @@ def gumbel_pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -
     return tokens, scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, -1)
 
 
+def plain(params: SamplingParams) -> bool:
+    """Sampling from the whole tempered distribution: no top-k/top-p filter, not greedy."""
+    return params.temperature > 0 and params.top_k == 0 and params.top_p == 1.0
+
+
 def sample(logits: torch.Tensor, params: SamplingParams,
            generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B], logprobs [B]) from logits [B, V]; logprobs over the full vocabulary."""
-    if params.temperature > 0 and params.top_k == 0 and params.top_p == 1.0:
+    if plain(params):
         if kernels.available(logits):
-            return kernels.categorical_sample(logits, params.temperature, generator)
+            inv_t = torch.full((1,), 1.0 / params.temperature, device=logits.device)
+            uniform = torch.rand(len(logits), generator=generator, device=logits.device)
+            return kernels.categorical_sample(logits, inv_t, uniform)
         noise = torch.rand(logits.shape, generator=generator, device=logits.device)
         return gumbel_pick(logits, noise, params.temperature)
     scaled = logits.float() / (params.temperature or 1.0)
@@ -124,21 +133,30 @@ class NativeRollout:
         # step writes them from its samples, so decode needs no host-built tensors
         self._ids = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # last token
         self._kv_lens = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # tokens cached
-        # CUDA graphs for decode (captured on first use); None = eager, as on CPU
-        self.graphs: dict[int, torch.cuda.CUDAGraph] | None = None
+        # CUDA graphs for decode, per (row count, whether sampling is in the graph), captured when
+        # a call first needs them; None = eager, as on CPU
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] | None = None
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = {}
             self.graph_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < max_slots}
                                       | set(range(64, max_slots, 64)) | {max_slots})
             self._hidden = torch.zeros(max_slots, cfg.hidden_size, dtype=weight.dtype, device=self.device)
+            # sampling in the graph: each row's uniform and 1/temperature in; each row's (token,
+            # logprob) out as float32, so one copy brings a step's results to the host
+            self._uniform = torch.zeros(max_slots, device=self.device)
+            self._inv_t = torch.ones(1, device=self.device)
+            self._picked = torch.zeros(2, max_slots, device=self.device)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
         self._ids.zero_()  # every slot idle
         self._kv_lens.zero_()
-        if self.graphs == {}:  # capture before any prefill: warm-up decodes scribble on the slots
-            with torch.inference_mode():
-                self._capture(self.graphs)
+        in_graph = self._samples_in_graph(params)
+        if self.graphs is not None and (self.max_slots, in_graph) not in self.graphs:
+            with torch.inference_mode():  # before any prefill: warm-up decodes scribble on the slots
+                self._capture(in_graph)
+        if in_graph:
+            self._inv_t.fill_(1.0 / params.temperature)
         stops = set(stop_ids(self.tokenizer, params))
         generator = torch.Generator(self.device).manual_seed(params.seed)
         waiting = deque(_Seq(p, i * params.n + j) for i, p in enumerate(prompts) for j in range(params.n))
@@ -152,22 +170,25 @@ class NativeRollout:
                 # schedule: admit what fits, else decode everyone; run; sample; retire
                 admitted = self._admit(waiting, free)
                 self._lap("schedule")
-                if admitted:
-                    stepped, slots = admitted, self._slots(admitted)
-                    logits = self._prefill(admitted)
+                stepped = admitted or running
+                if in_graph and not admitted:  # one replay: decode, sample, next inputs
+                    tokens_list, logprobs_list = self._decode_sampled(running, generator)
+                    self._lap("decode")
                 else:
-                    rows = self._slots(running) if rows is None else rows
-                    stepped, slots = running, rows
-                    logits = self._decode(running, rows)
-                self._lap("prefill" if admitted else "decode")
-                tokens, logprobs = sample(logits, params, generator)
-                self._advance(slots, tokens, admitted)
-                self._lap("sample")
-                logprobs_list = logprobs.tolist()
+                    if admitted:
+                        slots, logits = self._slots(admitted), self._prefill(admitted)
+                    else:
+                        rows = self._slots(running) if rows is None else rows
+                        slots, logits = rows, self._decode(running, rows)
+                    self._lap("prefill" if admitted else "decode")
+                    tokens, logprobs = sample(logits, params, generator)
+                    self._advance(slots, tokens, admitted)
+                    tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
+                    self._lap("sample")
                 if any(lp != lp for lp in logprobs_list):  # NaN: sampling from it would be noise
                     raise FloatingPointError("the policy's logits are NaN: its weights hold non-finite values")
                 retired = []
-                for seq, tok, lp in zip(stepped, tokens.tolist(), logprobs_list):
+                for seq, tok, lp in zip(stepped, tokens_list, logprobs_list):
                     seq.tokens.append(tok)
                     seq.logprobs.append(lp)
                     seq.finish = self._finish(seq, stops, params)
@@ -182,6 +203,10 @@ class NativeRollout:
                 self._lap("schedule")
         flat = [c for c in done if c is not None]
         return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
+
+    def _samples_in_graph(self, params: SamplingParams) -> bool:
+        """Whether decode steps sample inside their CUDA graph: plain sampling with the Triton sampler."""
+        return self.graphs is not None and plain(params) and kernels.available(self._hidden)
 
     def _slots(self, seqs: list[_Seq]) -> torch.Tensor:
         return torch.tensor([s.slot for s in seqs], device=self.device)
@@ -281,24 +306,49 @@ class NativeRollout:
             hidden = self.model.decode(self._ids[:busy], kv_lens, self.cache, int(kv_lens.max()) + 1)
         else:
             rows = next(b for b in self.graph_sizes if b >= busy)
-            self.graphs[rows].replay()
+            self.graphs[(rows, False)].replay()
             hidden = self._hidden[:rows]
         return self.model.logits(hidden[slots])
 
-    def _capture(self, graphs: dict[int, torch.cuda.CUDAGraph]) -> None:
+    def _decode_sampled(self, batch: list[_Seq], generator: torch.Generator) -> tuple[list[int], list[float]]:
+        """A decode step that also samples, in one graph replay (see `_graph_body`): the host only
+        draws the rows' uniforms before it and reads the (token, logprob) pairs after; `batch`
+        order."""
+        busy = max(s.slot for s in batch) + 1
+        rows = next(b for b in self.graph_sizes if b >= busy)
+        self._uniform[:rows].uniform_(generator=generator)
+        assert self.graphs is not None
+        self.graphs[(rows, True)].replay()
+        tokens, logprobs = self._picked[:, :rows].tolist()
+        return [int(tokens[s.slot]) for s in batch], [logprobs[s.slot] for s in batch]
+
+    def _graph_body(self, rows: int, sampled: bool) -> None:
+        """What a decode graph over rows 0..rows-1 runs: the model's decode into `_hidden`; or, with
+        `sampled`, on through the lm_head and the sampler to `_picked`, then the next step's
+        inputs (each row's token, and its cached count up by one unless the row is idle at 0)."""
+        hidden = self.model.decode(self._ids[:rows], self._kv_lens[:rows], self.cache, self.max_len)
+        if not sampled:
+            self._hidden[:rows] = hidden
+            return
+        tokens, logprobs = kernels.categorical_sample(self.model.logits(hidden), self._inv_t, self._uniform[:rows])
+        self._picked[0, :rows], self._picked[1, :rows] = tokens, logprobs
+        self._ids[:rows] = tokens
+        self._kv_lens[:rows] += self._kv_lens[:rows] > 0
+
+    def _capture(self, sampled: bool) -> None:
         """One graph per row count, largest first, sharing one memory pool. Inputs are static
         buffers; the written-out attention attends over the full `max_len` columns, masked per
-        row (the Triton kernel over each row's live ones). The warm-up decodes write K/V into
-        column 0 of the slots, so this runs before any prefill."""
+        row (the Triton kernel over each row's live ones). Runs with every slot idle (kv_len 0)
+        and before any prefill: the warm-up decodes write K/V into column 0 of the slots."""
+        assert self.graphs is not None
         pool = None
         for rows in reversed(self.graph_sizes):
-            args = (self._ids[:rows], self._kv_lens[:rows], self.cache, self.max_len)
-            self._hidden[:rows] = self.model.decode(*args)  # warm-up outside capture
+            self._graph_body(rows, sampled)  # warm-up outside capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._hidden[:rows] = self.model.decode(*args)
+                self._graph_body(rows, sampled)
             pool = graph.pool()
-            graphs[rows] = graph
+            self.graphs[(rows, sampled)] = graph
         torch.cuda.synchronize()
 
     def _finish(self, seq: _Seq, stops: set[int], params: SamplingParams) -> str:

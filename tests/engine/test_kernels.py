@@ -31,15 +31,20 @@ def test_decode_attention_writes_the_step_and_matches_eager(heads, kv_heads, dim
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def draw(logits: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    uniform = torch.rand(len(logits), generator=torch.Generator("cuda").manual_seed(seed), device="cuda")
+    return kernels.categorical_sample(logits, torch.tensor([1 / temperature], device="cuda"), uniform)
+
+
 def test_categorical_sample_follows_the_tempered_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]], device="cuda").expand(200_000, 5).bfloat16()
-    tokens, logp = kernels.categorical_sample(logits, 0.7, torch.Generator("cuda").manual_seed(0))
+    tokens, logp = draw(logits, 0.7, seed=0)
     want = torch.softmax(logits[0].float() / 0.7, -1)
     freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
     # 4-sigma band of a binomial proportion at n = 200000
     assert ((freq - want).abs() <= 4 * (want * (1 - want) / len(tokens)).sqrt() + 1e-9).all(), (freq, want)
     torch.testing.assert_close(logp, torch.log(want)[tokens])
-    again, _ = kernels.categorical_sample(logits, 0.7, torch.Generator("cuda").manual_seed(0))
+    again, _ = draw(logits, 0.7, seed=0)
     assert torch.equal(tokens, again)
 
 
@@ -51,7 +56,7 @@ def test_categorical_sample_over_a_real_vocabulary():
     hot = torch.tensor([5, 4100, 80_000, V - 1], device="cuda")
     row[hot] = torch.tensor([1.0, 0.5, 0.0, 2.0], device="cuda")
     logits = row.expand(n, V).bfloat16()
-    tokens, logp = kernels.categorical_sample(logits, 1.0, torch.Generator("cuda").manual_seed(1))
+    tokens, logp = draw(logits, 1.0, seed=1)
     want = torch.softmax(logits[0].float(), -1)
     torch.testing.assert_close(logp, want.log()[tokens], atol=1e-4, rtol=1e-4)
     freq = torch.bincount(tokens, minlength=V).float() / n
