@@ -12,8 +12,9 @@ length in [L/3, L):
 - `triton`: ours (engine/kernels.py; it also writes the step's K/V).
 Each is checked against `written-out`, captured in a CUDA graph and replayed; the floor is the
 live K/V read once at --hbm-tbps. Sampling from [rows, vocab] bf16 logits at temperature 1:
-engine/native.sample's eager path (Gumbel noise, compiled pick) against the Triton sampler, timed
-without graphs (the generator cannot be captured). On CPU only `written-out` and the eager
+engine/native.sample's eager path (Gumbel noise, compiled pick) and its Triton path, called
+plainly (host launches included), and the Triton sampler replayed in a CUDA graph, as the engine's
+decode graphs run it. On CPU only `written-out` and the eager
 sampler run: a smoke run.
 """
 
@@ -124,6 +125,10 @@ def sampler_rows(cfg: dict, rows: int, device: str, dtype: torch.dtype, tbps: fl
     os.environ.pop("RLFLOW_TRITON")
     if before is not None:
         os.environ["RLFLOW_TRITON"] = before
+    if kernels.available(logits):  # as the engine runs it: captured in the decode graph, uniforms drawn outside
+        inv_t, uniform = torch.ones(1, device=device), torch.rand(rows, device=device)
+        graphed = replayed_us(lambda: kernels.categorical_sample(logits, inv_t, uniform), True)
+        out["triton in a graph"] = f"{graphed:.1f} us"
     return out
 
 
