@@ -10,8 +10,11 @@ attention reads the cache in place), whose inputs (each slot's last token and ca
 on the device: every step's sampling writes them, so a decode step copies nothing in. In half
 precision, attention and sampling use the Triton kernels of engine/kernels.py, and plain sampling
 (temperature only) runs inside the decode graph too: a step is one uniform draw, one replay and
-one copy of its (token, logprob) pairs to the host. Prefill, and sampling with top-k/top-p or
-greedy, run eagerly. On CPU all of it is eager.
+one copy of its (token, logprob) pairs to the host. While no request waits for a slot, the
+next such step is launched before the host reads the last one, so the device decodes while the
+host books tokens and retires sequences (a sequence that retires rides along in the step already
+launched; that token is dropped). Prefill, and sampling with top-k/top-p or greedy, run eagerly.
+On CPU all of it is eager.
 
 Invariants (those of engine/rollout.py, plus):
 - at most `max_slots` sequences run at once; prompt + max_new_tokens must fit in `max_len`;
@@ -146,6 +149,8 @@ class NativeRollout:
             self._uniform = torch.zeros(max_slots, device=self.device)
             self._inv_t = torch.ones(1, device=self.device)
             self._picked = torch.zeros(2, max_slots, device=self.device)
+            self._host = torch.zeros(2, max_slots, pin_memory=True)  # `_picked` copied out, step by step
+            self._copied = torch.cuda.Event()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
@@ -164,15 +169,18 @@ class NativeRollout:
         free = list(range(self.max_slots - 1, -1, -1))  # pop() hands out slot 0 first
         running: list[_Seq] = []
         rows: torch.Tensor | None = None  # running's slots on the device, while running is unchanged
+        ahead: list[_Seq] | None = None  # the sequences of a sampling decode launched before the last was read
         with torch.inference_mode():
             self._lap("")
             while waiting or running:
                 # schedule: admit what fits, else decode everyone; run; sample; retire
-                admitted = self._admit(waiting, free)
+                admitted = self._admit(waiting, free) if ahead is None else []
                 self._lap("schedule")
                 stepped = admitted or running
                 if in_graph and not admitted:  # one replay: decode, sample, next inputs
-                    tokens_list, logprobs_list = self._decode_sampled(running, generator)
+                    # the next step is a decode too unless requests wait for free slots
+                    stepped, ahead, tokens_list, logprobs_list = self._sampled_step(
+                        running, ahead, generator, then_decode=bool(running) and not (waiting and free))
                     self._lap("decode")
                 else:
                     if admitted:
@@ -189,6 +197,8 @@ class NativeRollout:
                     raise FloatingPointError("the policy's logits are NaN: its weights hold non-finite values")
                 retired = []
                 for seq, tok, lp in zip(stepped, tokens_list, logprobs_list):
+                    if seq.finish:  # retired after a step launched ahead of it: that step's token is void
+                        continue
                     seq.tokens.append(tok)
                     seq.logprobs.append(lp)
                     seq.finish = self._finish(seq, stops, params)
@@ -198,7 +208,9 @@ class NativeRollout:
                 if admitted or retired:
                     running, rows = [s for s in running + admitted if not s.finish], None
                 if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
-                    self._kv_lens[torch.tensor(retired, device=self.device)] = 0
+                    # (through pinned memory: a plain copy would wait for a step launched ahead)
+                    self._kv_lens[torch.tensor(retired, pin_memory=self.device.type == "cuda").to(
+                        self.device, non_blocking=True)] = 0
                     free.extend(retired)
                 self._lap("schedule")
         flat = [c for c in done if c is not None]
@@ -310,17 +322,33 @@ class NativeRollout:
             hidden = self._hidden[:rows]
         return self.model.logits(hidden[slots])
 
-    def _decode_sampled(self, batch: list[_Seq], generator: torch.Generator) -> tuple[list[int], list[float]]:
-        """A decode step that also samples, in one graph replay (see `_graph_body`): the host only
-        draws the rows' uniforms before it and reads the (token, logprob) pairs after; `batch`
-        order."""
+    def _sampled_step(self, running: list[_Seq], ahead: list[_Seq] | None, generator: torch.Generator,
+                      then_decode: bool) -> tuple[list[_Seq], list[_Seq] | None, list[int], list[float]]:
+        """(the sequences a sampling decode step ran, those of the step launched after it or None,
+        its tokens, its logprobs). The step is the one launched `ahead`, else `running` launched
+        now. With `then_decode` the next step is launched over `running` before this one's results
+        are read, so the device computes while the host books them; sequences that retire now
+        ride along in it and their tokens are void."""
+        if ahead is None:
+            self._launch_sampled(running, generator)
+        stepped = ahead or running
+        self._host.copy_(self._picked, non_blocking=True)  # before the next replay overwrites `_picked`
+        self._copied.record()
+        if then_decode:
+            self._launch_sampled(running, generator)
+        self._copied.synchronize()
+        tokens, logprobs = self._host.tolist()
+        return (stepped, running if then_decode else None, [int(tokens[s.slot]) for s in stepped],
+                [logprobs[s.slot] for s in stepped])
+
+    def _launch_sampled(self, batch: list[_Seq], generator: torch.Generator) -> None:
+        """Queue a decode step that also samples, as one graph replay (see `_graph_body`) after the
+        rows' uniforms are drawn; its (token, logprob) pairs land in `_picked`, by slot."""
         busy = max(s.slot for s in batch) + 1
         rows = next(b for b in self.graph_sizes if b >= busy)
         self._uniform[:rows].uniform_(generator=generator)
         assert self.graphs is not None
         self.graphs[(rows, True)].replay()
-        tokens, logprobs = self._picked[:, :rows].tolist()
-        return [int(tokens[s.slot]) for s in batch], [logprobs[s.slot] for s in batch]
 
     def _graph_body(self, rows: int, sampled: bool) -> None:
         """What a decode graph over rows 0..rows-1 runs: the model's decode into `_hidden`; or, with
