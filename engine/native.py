@@ -208,9 +208,7 @@ class NativeRollout:
                 if admitted or retired:
                     running, rows = [s for s in running + admitted if not s.finish], None
                 if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
-                    # (through pinned memory: a plain copy would wait for a step launched ahead)
-                    self._kv_lens[torch.tensor(retired, pin_memory=self.device.type == "cuda").to(
-                        self.device, non_blocking=True)] = 0
+                    self._kv_lens[self._index(retired)] = 0
                     free.extend(retired)
                 self._lap("schedule")
         flat = [c for c in done if c is not None]
@@ -221,7 +219,17 @@ class NativeRollout:
         return self.graphs is not None and plain(params) and kernels.available(self._hidden)
 
     def _slots(self, seqs: list[_Seq]) -> torch.Tensor:
-        return torch.tensor([s.slot for s in seqs], device=self.device)
+        return self._index([s.slot for s in seqs])
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """`values` on the device, through pinned memory on CUDA: a plain copy would wait for a
+        decode step launched ahead."""
+        return torch.tensor(values, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+
+    def _graph_rows(self, batch: list[_Seq]) -> int:
+        """The captured row count a decode over `batch` replays: the smallest covering its highest slot."""
+        busy = max(s.slot for s in batch) + 1
+        return next(b for b in self.graph_sizes if b >= busy)
 
     def _advance(self, slots: torch.Tensor, tokens: torch.Tensor, admitted: list[_Seq]) -> None:
         """The next decode's inputs, on the device: each stepped slot's new token, and its cached
@@ -312,12 +320,12 @@ class NativeRollout:
         Decode runs over rows 0..R-1 with row i on slot i, from the inputs `_advance` left (R
         covers the highest busy slot, rounded up to a captured graph size on CUDA); idle rows are
         computed and dropped."""
-        busy = max(s.slot for s in batch) + 1
         if self.graphs is None:
+            busy = max(s.slot for s in batch) + 1
             kv_lens = self._kv_lens[:busy]
             hidden = self.model.decode(self._ids[:busy], kv_lens, self.cache, int(kv_lens.max()) + 1)
         else:
-            rows = next(b for b in self.graph_sizes if b >= busy)
+            rows = self._graph_rows(batch)
             self.graphs[(rows, False)].replay()
             hidden = self._hidden[:rows]
         return self.model.logits(hidden[slots])
@@ -344,8 +352,7 @@ class NativeRollout:
     def _launch_sampled(self, batch: list[_Seq], generator: torch.Generator) -> None:
         """Queue a decode step that also samples, as one graph replay (see `_graph_body`) after the
         rows' uniforms are drawn; its (token, logprob) pairs land in `_picked`, by slot."""
-        busy = max(s.slot for s in batch) + 1
-        rows = next(b for b in self.graph_sizes if b >= busy)
+        rows = self._graph_rows(batch)
         self._uniform[:rows].uniform_(generator=generator)
         assert self.graphs is not None
         self.graphs[(rows, True)].replay()

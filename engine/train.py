@@ -299,8 +299,8 @@ class TrainEngine:
         self.model.train()
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if compile_layers:  # each decoder layer through inductor (its norms, RoPE and gating fused);
-            for layer in self.model.model.layers:  # token counts turn symbolic once they vary, feature sizes stay fixed
+        if compile_layers:  # each decoder layer through inductor (its norms, RoPE and gating fused); token
+            for layer in self.model.model.layers:  # counts turn symbolic once they vary, feature sizes stay fixed
                 layer.compile()
         self.root: Any = root(self.model)
         if sp > 1:
