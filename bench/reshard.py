@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from shapes import QWEN25, free_port, model_dir, timed  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, copy_tbps, free_port, model_dir, timed  # bench/shapes.py: bench/ is sys.path[0] here
 
 SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -57,15 +57,6 @@ def alltoall_gbps(nbytes: int, device: str) -> float:
     dist.all_to_all_single(recv, send)  # warm-up
     t = statistics.median(timed(lambda: dist.all_to_all_single(recv, send), device) for _ in range(5))
     return n * 2 * (world - 1) / world / t / 1e9
-
-
-def copy_gbps(device: str) -> float:
-    """Device memory bandwidth: bytes read + written per second by a 1 GiB copy."""
-    src = torch.empty(2**29, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t = statistics.median(timed(lambda: dst.copy_(src), device) for _ in range(5))
-    return 2 * src.numel() * 2 / t / 1e9
 
 
 def one_train_step(engine: Any, vocab: int) -> None:
@@ -147,7 +138,7 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
         link, bw = "all-to-all", alltoall_gbps(resharder.bytes_received, device)
         floor = resharder.bytes_from_peers / 1e9 / bw
     else:  # one GPU: read the fp32 master (2x the bf16 bytes) and write the bf16 copy, at copy speed
-        link, bw = "copy", copy_gbps(device)
+        link, bw = "copy", copy_tbps() * 1e3
         floor = 3 * resharder.bytes_received / 1e9 / bw
     offload_bytes = sum(t.numel() * t.element_size() for t in engine._optimizer_tensors()) if args.offload else 0
     offload_floor = offload_bytes / 1e9 / host_gbps(offload_bytes, device)

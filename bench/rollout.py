@@ -8,7 +8,7 @@ both engines do identical work). Each engine runs once to warm up (for native on
 also captures the decode graphs), then `--repeats` timed runs (median). HF runs with its
 dynamic and its static cache (`--hf-cache`). A last, synchronized native run gives the
 per-phase breakdown; the roofline is decode's bytes (weights + the KV each step reads) over the
-HBM bandwidth `--hbm-tbps`.
+HBM bandwidth, measured in the same run by a 1 GiB device copy (`--hbm-tbps` overrides it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import statistics
 import time
 
 import torch
-from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, TINY, copy_tbps, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from engine.native import NativeRollout
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hf-cache", default="dynamic,static", help="comma list: dynamic, static, or none")
     ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay")
-    ap.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the roofline (H200: 4.8)")
+    ap.add_argument("--hbm-tbps", type=float, help="HBM bandwidth for the roofline (default: measured by a copy)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -126,8 +126,10 @@ def main() -> None:
         profile(native, args.prompt + args.new // 2 - 30)  # 60 replays end halfway
     if device == "cuda":
         weights = sum(p.numel() for p in hf_model.parameters())
-        peak = roofline(cfg, weights, args.seqs, args.prompt, args.new, dtype.itemsize, args.hbm_tbps)
-        print(f"  decode roofline ~{peak:,.0f} tok/s; native reaches {100 * results['native'] / peak:.0f}%, "
+        tbps = args.hbm_tbps or copy_tbps()
+        peak = roofline(cfg, weights, args.seqs, args.prompt, args.new, dtype.itemsize, tbps)
+        print(f"  HBM {tbps:.2f} TB/s ({'given' if args.hbm_tbps else 'measured: 1 GiB device copy'}); "
+              f"decode roofline ~{peak:,.0f} tok/s; native reaches {100 * results['native'] / peak:.0f}%, "
               f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 

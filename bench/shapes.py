@@ -43,6 +43,22 @@ def timed(fn: Callable[[], object], device: str | torch.device) -> float:
     return float(t.item())
 
 
+def copy_tbps() -> float:
+    """This GPU's memory bandwidth in TB/s: bytes read + written per second by a 1 GiB device copy
+    (median of 5)."""
+    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / sorted(times)[2] / 1e12
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
