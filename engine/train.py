@@ -124,21 +124,43 @@ def attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
     return varlen.NAME if varlen.available(device, dtype) else "sdpa"
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x` on `device`; host tensors go to CUDA through pinned memory, so the copy neither waits
+    for the device work already queued nor holds the host."""
+    if x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                     valid: torch.Tensor, pack: bool) -> torch.Tensor:
-    """Final hidden states [M, H] at the positions that predict the M valid response tokens.
+    """Final hidden states [M, H] at the positions that predict the M valid response tokens, on
+    the model's device.
 
-    ids, mask, positions: [n, L] on the model's device, prompt left- and response right-padded;
-    valid: [n, R] bool, the response mask.
+    ids, mask, positions: [n, L], prompt left- and response right-padded; valid: [n, R] bool, the
+    response mask; all on one device. Their indexing happens there, so host tensors cost the
+    device no sync (data-dependent sizes would), and only what the model reads moves to it.
     """
+    device = next(model.parameters()).device
     width = valid.shape[1]
     if not pack:
-        out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
-        return out.last_hidden_state[:, -width - 1:-1][valid]
+        out = model.base_model(input_ids=to_device(ids, device), attention_mask=to_device(mask, device),
+                               position_ids=to_device(positions, device), use_cache=False)
+        rows, cols = valid.nonzero(as_tuple=True)  # row-major, the order of valid[valid]
+        at = rows * ids.shape[1] + ids.shape[1] - width - 1 + cols  # into the [n * L] flattened rows
+        return out.last_hidden_state.flatten(0, 1)[to_device(at, device)]
     real = mask.bool()
-    out = model.base_model(input_ids=ids[real][None], position_ids=positions[real][None], use_cache=False)
-    at = (real.flatten().cumsum(0) - 1).view(real.shape)[:, -width - 1:-1]  # [n, R] index into the packed row
-    return out.last_hidden_state[0, at[valid]]
+    at = (real.flatten().cumsum(0) - 1).view(real.shape)[:, -width - 1:-1][valid]  # into the packed row
+    out = model.base_model(input_ids=to_device(ids[real][None], device),
+                           position_ids=to_device(positions[real][None], device), use_cache=False)
+    return out.last_hidden_state[0, to_device(at, device)]
+
+
+def scatter_valid(valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """[n, R] of `values` [M] at the True places of `valid` [n, R] (row-major), 0 elsewhere, on
+    `values`' device; differentiable, and free of device syncs for a host `valid`."""
+    at = to_device(valid.flatten().nonzero().squeeze(1), values.device)
+    return values.new_zeros(valid.numel()).index_put((at,), values).view(valid.shape)
 
 
 @fused
@@ -192,7 +214,10 @@ class Policy(nn.Module):
         elif pack:
             raise ValueError("sequence parallelism runs padded rows, not packed ones")
         else:
+            device = next(self.parameters()).device
+            ids, mask, positions, valid = (x.to(device) for x in (ids, mask, positions, valid))
             hidden = ulysses.response_hidden(self.lm, ids, mask, positions, valid, self.sp_group)
+        targets = to_device(targets, hidden.device)
         return chunked_token_stats(self.lm.get_output_embeddings(), hidden, targets, temperature, entropy, chunk)
 
     def idle(self) -> torch.Tensor:
@@ -213,16 +238,14 @@ def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, position
     device, 0 where the response is padding (entropy 0 unless asked for). `model` is a Policy
     (a TrainEngine's `root`) or a plain HF causal LM. Sequence-parallel, only this rank's tokens
     (`Policy.response_mask`) are filled in.
-    ids/mask/positions: [n, P+R]; responses: [n, R]."""
+    ids/mask/positions: [n, P+R]; responses: [n, R]; all on one device, best the host's (see
+    `response_hidden`)."""
     if not isinstance(model, Policy) and isinstance(next(model.parameters()), DTensor):
         raise TypeError("an FSDP-sharded model runs forwards through its TrainEngine's `root`")
     policy = model if isinstance(model, Policy) else Policy(model)
-    device = next(policy.parameters()).device
-    ids, mask, positions, responses = (x.to(device) for x in (ids, mask, positions, responses))
-    valid = policy.response_mask(mask, responses.shape[1])  # [n, R]
+    valid = policy.response_mask(mask, responses.shape[1])  # [n, R], where the inputs are (see response_hidden)
     logp, ent = policy(ids, mask, positions, valid, responses[valid], temperature or 1.0, pack, entropy, chunk)
-    zeros = torch.zeros(valid.shape, device=device)
-    return zeros.masked_scatter(valid, logp), zeros.masked_scatter(valid, ent)
+    return scatter_valid(valid, logp), scatter_valid(valid, ent)
 
 
 def in_step(model: Any, count: int) -> int:
@@ -328,19 +351,22 @@ class TrainEngine:
 
     def step(self, losses: Callable[[], list[Callable[[], torch.Tensor]]]) -> dict[str, float]:
         """One optimizer step: backward every micro-batch loss (ranks with fewer micro-batches run
-        idle ones), clip, update."""
+        idle ones), clip, update. The host reads no device value before the clip, so it queues
+        micro-batches ahead of the device."""
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
         micro = losses()
-        for micro_loss in micro + [self.root.idle] * (in_step(self.root, len(micro)) - len(micro)):
+        micro += [self.root.idle] * (in_step(self.root, len(micro)) - len(micro))
+        total = torch.zeros((), device=self.device)
+        for micro_loss in micro:
             loss = micro_loss()
             loss.backward()
-            total += float(loss.detach())
+            total += loss.detach()
         params = [p for p in self.root.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        loss_sum = float(total)
         lr = float(self.scheduler.get_last_lr()[0])
-        if not (math.isfinite(grad_norm) and math.isfinite(total)):
+        if not (math.isfinite(grad_norm) and math.isfinite(loss_sum)):
             self.skipped_steps += 1
             self.consecutive_skips += 1
             self.optimizer.zero_grad(set_to_none=True)
@@ -348,7 +374,7 @@ class TrainEngine:
             self.consecutive_skips = 0
             self.optimizer.step()
         self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr, "loss": total, "skipped_steps": self.skipped_steps,
+        return {"grad_norm": grad_norm, "lr": lr, "loss": loss_sum, "skipped_steps": self.skipped_steps,
                 "consecutive_skips": self.consecutive_skips}
 
     def offload(self) -> None:

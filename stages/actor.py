@@ -47,7 +47,7 @@ from engine.batch import Batch, RolloutRequest
 from engine.config import Config
 from engine.reshard import WeightBroadcast, push_weights, weight_shapes, weight_sync
 from engine.rollout import left_pad
-from engine.train import TrainEngine, all_reduce_sum, forward_logprobs, micro_batches, response_logprobs
+from engine.train import TrainEngine, all_reduce_sum, forward_logprobs, micro_batches, response_logprobs, to_device
 from stages.rollout import Rollout, peak_memory, right_pad
 
 
@@ -223,7 +223,7 @@ class ActorRollout:
     def _ppo_epochs(self, batch: Batch) -> dict[str, float]:
         a = self.cfg.actor
         rows = a.mini_batch_prompts // self.world * batch.group_size
-        stats: dict[str, list[float]] = {}
+        stats: dict[str, list] = {}  # floats and 0-dim device tensors
         members, _ = self._group_batches(batch)
         for _ in range(a.ppo_epochs):
             for lo in range(0, len(batch), rows):
@@ -237,9 +237,10 @@ class ActorRollout:
         if self.cfg.algorithm.kl_in_reward:
             self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
         self._new_weights(self.weight_version + 1)
-        return {k: float(np.max(v) if k.endswith("_max") else np.mean(v)) for k, v in stats.items()}
+        return {k: float(np.max(v) if k.endswith("_max") else np.mean(v))
+                for k, v in ((k, [float(x) for x in v]) for k, v in stats.items())}
 
-    def _micro_losses(self, mini: Batch, stats: dict[str, list[float]]) -> list:
+    def _micro_losses(self, mini: Batch, stats: dict[str, list]) -> list:
         a = self.cfg.actor
         ids, attn, pos = mini.sequences()
         # the response tokens this rank's loss covers: all, or with SP its slice's; so the all-rank
@@ -252,54 +253,55 @@ class ActorRollout:
 
     def _loss(self, mini: Batch, r: torch.Tensor, ids, attn, pos, owned: torch.Tensor, denom: float,
               stats) -> torch.Tensor:
-        """One micro-batch's loss over this rank's `owned` response tokens, computed on the model's device."""
+        """One micro-batch's loss over this rank's `owned` response tokens, computed on the model's
+        device. Its metrics stay device tensors until the step ends: reading one here would hold
+        the host until the forward is done, before it could queue the backward."""
         a = self.cfg.actor
         logp, entropy = forward_logprobs(self.engine.root, ids[r], attn[r], pos[r], mini.response_ids[r],
                                          self.cfg.rollout.temperature, a.pack_sequences)
-        on = lambda x: x[r].to(logp.device)  # noqa: E731
+        on = lambda x: to_device(x[r], logp.device)  # noqa: E731
         mask = on(owned)
-        means: dict[str, float] = {}  # masked means over this rank's tokens; with SP, made the group's below
+        means: dict[str, torch.Tensor] = {}  # masked means over this rank's tokens; with SP, the group's below
         if mini.old_logprobs.numel():
             old = on(mini.old_logprobs)
         else:  # on-policy: these weights generated the batch (see `logprobs`)
             old = logp.detach()
             diff = (old.exp() - on(mini.rollout_logprobs).exp()).abs() * mask
-            means["training/rollout_probs_diff_mean"] = float(algos.masked_mean(diff, mask))
-            stats.setdefault("training/rollout_probs_diff_max", []).append(self._group_max(float(diff.max())))
+            means["training/rollout_probs_diff_mean"] = algos.masked_mean(diff, mask)
+            stats.setdefault("training/rollout_probs_diff_max", []).append(self._group_max(diff.max()))
         norm_len = self.cfg.rollout.max_new_tokens
         loss, m = algos.policy_loss(logp, old, on(mini.advantages), mask, a.clip_low,
                                     a.clip_high, a.dual_clip or None, a.loss_agg, denom, norm_len, a.policy_loss)
-        means["actor/entropy"] = float(algos.masked_mean(entropy.detach(), mask))
+        means["actor/entropy"] = algos.masked_mean(entropy.detach(), mask)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * algos.agg_loss(entropy, mask, a.loss_agg, denom, norm_len)
         if mini.ref_logprobs.numel():  # a reference stage ran
             kl = algos.kl_penalty(logp, on(mini.ref_logprobs), a.kl_loss_type)
-            means["actor/kl_loss"] = float(algos.masked_mean(kl.detach(), mask))
+            means["actor/kl_loss"] = algos.masked_mean(kl.detach(), mask)
             if a.kl_loss_coef:
                 loss = loss + a.kl_loss_coef * algos.agg_loss(kl, mask, a.loss_agg, denom, norm_len)
-        means.update({f"actor/{k}": float(v) for k, v in m.items()})  # masked means too (algos.policy_loss)
-        for k, v in self._group_means(means, float(mask.sum())).items():
+        means.update({f"actor/{k}": v for k, v in m.items()})  # masked means too (algos.policy_loss)
+        for k, v in self._group_means(means, mask.sum()).items():
             stats.setdefault(k, []).append(v)
         return loss
 
-    def _group_means(self, means: dict[str, float], tokens: float) -> dict[str, float]:
+    def _group_means(self, means: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """Masked means over this rank's `tokens` -> the same means over the SP group's tokens
-        (the whole rows, as without SP)."""
+        (the whole rows, as without SP). 0-dim device tensors in and out."""
         group = self.engine.root.sp_group
         if group is None:
             return means
-        t = torch.tensor([v * tokens for v in means.values()] + [tokens], dtype=torch.float64,
-                         device=self.engine.device)
+        t = torch.stack([v.double() * tokens for v in means.values()] + [tokens.double()])
         dist.all_reduce(t, group=group)
-        return {k: float(v) for k, v in zip(means, t[:-1] / t[-1].clamp(min=1e-8))}
+        return dict(zip(means, t[:-1] / t[-1].clamp(min=1e-8)))
 
-    def _group_max(self, value: float) -> float:
+    def _group_max(self, value: torch.Tensor) -> torch.Tensor:
         group = self.engine.root.sp_group
         if group is None:
             return value
-        t = torch.tensor([value], device=self.engine.device)
+        t = value.detach().float().reshape(1)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        return float(t.item())
+        return t[0]
 
     def sft_update(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
         """One supervised optimizer step: next-token cross-entropy on the response tokens only, a

@@ -36,7 +36,7 @@ from transformers import AutoModelForTokenClassification
 from engine import algos, checkpoint
 from engine.batch import Batch
 from engine.config import Config
-from engine.train import TrainEngine, all_reduce_sum, in_step, micro_batches, response_hidden
+from engine.train import TrainEngine, all_reduce_sum, in_step, micro_batches, response_hidden, scatter_valid, to_device
 
 
 class ValueModel(nn.Module):
@@ -64,11 +64,9 @@ class ValueModel(nn.Module):
 def forward_values(root: ValueModel, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, width: int,
                    pack: bool) -> torch.Tensor:
     """Values [n, R] (R = `width`) in float32 on the model's device, 0 where the response is padding.
-    ids/mask/positions: [n, P+R]."""
-    device = next(root.parameters()).device
-    ids, mask, positions = (x.to(device) for x in (ids, mask, positions))
+    ids/mask/positions: [n, P+R], on one device, best the host's (see `response_hidden`)."""
     valid = mask[:, -width:].bool()  # [n, R]
-    return torch.zeros(valid.shape, device=device).masked_scatter(valid, root(ids, mask, positions, valid, pack))
+    return scatter_valid(valid, root(ids, mask, positions, valid, pack))
 
 
 class Critic:
@@ -104,21 +102,21 @@ class Critic:
         start = time.perf_counter()
         a, mask = self.cfg.actor, batch.response_mask
         rows = a.mini_batch_prompts // self.world * batch.group_size
-        stats: dict[str, list[float]] = {}
+        stats: dict[str, list] = {}  # floats and 0-dim device tensors (see the actor's `_loss`)
         for _ in range(a.ppo_epochs):
             for lo in range(0, len(batch), rows):
                 out = self.engine.step(partial(self._micro_losses, batch.rows(slice(lo, lo + rows)), stats))
                 stats.setdefault("critic/grad_norm", []).append(out["grad_norm"])
                 stats.setdefault("critic/lr", []).append(out["lr"])
                 stats.setdefault("critic/vf_loss", []).append(all_reduce_sum(out["loss"]))
-        batch.metrics.update({k: float(np.mean(v)) for k, v in stats.items()})
+        batch.metrics.update({k: float(np.mean([float(x) for x in v])) for k, v in stats.items()})
         batch.metrics["critic/values/mean"] = float(algos.masked_mean(batch.values, mask))
         batch.metrics["critic/returns/mean"] = float(algos.masked_mean(batch.returns, mask))
         batch.metrics["critic/vf_explained_var"] = float(algos.explained_variance(batch.values, batch.returns, mask))
         batch.timing["update_critic"] = time.perf_counter() - start
         return batch
 
-    def _micro_losses(self, mini: Batch, stats: dict[str, list[float]]) -> list:
+    def _micro_losses(self, mini: Batch, stats: dict[str, list]) -> list:
         a = self.cfg.actor
         denom = all_reduce_sum(float(mini.response_mask.sum()))
         ids, attn, pos = mini.sequences()
@@ -126,13 +124,13 @@ class Critic:
                 for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)]
 
     def _loss(self, mini: Batch, r: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
-              denom: float, stats: dict[str, list[float]]) -> torch.Tensor:
+              denom: float, stats: dict[str, list]) -> torch.Tensor:
         values = forward_values(self.engine.root, ids[r], attn[r], pos[r], mini.response_mask.shape[1],
                                 self.cfg.actor.pack_sequences)
-        on = lambda x: x[r].to(values.device)  # noqa: E731
+        on = lambda x: to_device(x[r], values.device)  # noqa: E731
         loss, m = algos.value_loss(values, on(mini.values), on(mini.returns), on(mini.response_mask),
                                    self.cfg.critic.cliprange_value, "token-mean", denom)
-        stats.setdefault("critic/vf_clipfrac", []).append(float(m["vf_clipfrac"]))
+        stats.setdefault("critic/vf_clipfrac", []).append(m["vf_clipfrac"])
         return loss
 
     def save(self, directory: str) -> None:
