@@ -357,10 +357,14 @@ class TrainEngine:
         micro = losses()
         micro += [self.root.idle] * (in_step(self.root, len(micro)) - len(micro))
         total = torch.zeros((), device=self.device)
-        for micro_loss in micro:
-            loss = micro_loss()
-            loss.backward()
-            total += loss.detach()
+        try:
+            for i, micro_loss in enumerate(micro):
+                self._hold_gathered(forward=True, backward=i < len(micro) - 1)
+                loss = micro_loss()
+                loss.backward()
+                total += loss.detach()
+        finally:
+            self._hold_gathered(forward=False, backward=False)
         params = [p for p in self.root.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
@@ -376,6 +380,20 @@ class TrainEngine:
         self.scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr, "loss": loss_sum, "skipped_steps": self.skipped_steps,
                 "consecutive_skips": self.consecutive_skips}
+
+    def _hold_gathered(self, forward: bool, backward: bool) -> None:
+        """On one rank a shard is the whole weight, so within a step FSDP2 may keep the weights
+        gathered in the compute dtype after forward (`forward`) and, between micro-batches, after
+        backward too, the gradients then accumulating unreduced in float32 (`backward`).
+        Otherwise every micro-batch gathers each layer twice and reduces it once: host work that
+        bounds small models' updates (0.5B: 0.73 -> 0.59 s a step on an H200). Outside steps
+        (no-grad forwards) both are off. With more ranks whole weights and gradients would cost
+        the memory that sharding saves, so they stay sharded."""
+        if dist.get_world_size() > 1:
+            return
+        self.root.set_reshard_after_forward(not forward)
+        self.root.set_reshard_after_backward(not backward)
+        self.root.set_requires_gradient_sync(not backward)
 
     def offload(self) -> None:
         """Free this rank's gradients and move its optimizer state to pinned CPU memory (same

@@ -2,6 +2,7 @@ import shutil
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from engine import algos
 from engine.train import (
@@ -143,6 +144,12 @@ def test_one_micro_batch_of_8_equals_8_of_1_and_checkpointing_changes_nothing(mo
         assert out_a["grad_norm"] == pytest.approx(out["grad_norm"], rel=1e-4)
         for (name, pa), pb in zip(a.model.named_parameters(), other.model.parameters()):
             torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-7, msg=name)
+    # one rank keeps whole weights gathered between a step's micro-batches, never past its end or
+    # after a no-grad forward (generation reads the shards; the optimizer stepped them)
+    assert all(isinstance(p, DTensor) for p in b.model.parameters())
+    with torch.no_grad():
+        sft_losses(b, ids, 8)()[0]()
+    assert all(isinstance(p, DTensor) for p in b.model.parameters())
 
 
 def test_non_finite_loss_skips_the_step(model_dir):
