@@ -440,8 +440,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rlflow-micro-tokens", type=int, default=16384,
-                    help="rlflow actor.micro_batch_tokens_per_gpu (rows x width: 32 sequences of 512)")
+    ap.add_argument("--rlflow-micro-tokens", type=int, default=32768,
+                    help="rlflow actor.micro_batch_tokens_per_gpu; the default is the tokens of TRL's "
+                         "64-sequence micro-batch (64 x 512)")
     ap.add_argument("--rlflow-set", action="append", metavar="SECTION.KEY=VALUE",
                     help="an rlflow config setting for its job, e.g. actor.compile_layers=true (repeatable)")
     ap.add_argument("--trl-micro", type=int, default=64, help="TRL's first micro-batch try, in sequences")
