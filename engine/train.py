@@ -116,6 +116,13 @@ def all_reduce_sum(value: float) -> float:
     return float(t.item())
 
 
+def step_metrics(stats: dict[str, list]) -> dict[str, float]:
+    """A step's metrics from its per-micro-batch values, floats or 0-dim device tensors, which are
+    read here once the step's work is queued: the max of `*_max` keys, the mean of the rest."""
+    values = {k: [float(x) for x in v] for k, v in stats.items()}
+    return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in values.items()}
+
+
 def attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
     """Unpadded attention where a kernel exists for it (flash-attn's, else PyTorch's varlen on
     CUDA in half precision); otherwise SDPA, which runs a packed row with a block mask."""

@@ -47,7 +47,15 @@ from engine.batch import Batch, RolloutRequest
 from engine.config import Config
 from engine.reshard import WeightBroadcast, push_weights, weight_shapes, weight_sync
 from engine.rollout import left_pad
-from engine.train import TrainEngine, all_reduce_sum, forward_logprobs, micro_batches, response_logprobs, to_device
+from engine.train import (
+    TrainEngine,
+    all_reduce_sum,
+    forward_logprobs,
+    micro_batches,
+    response_logprobs,
+    step_metrics,
+    to_device,
+)
 from stages.rollout import Rollout, peak_memory, right_pad
 
 
@@ -237,8 +245,7 @@ class ActorRollout:
         if self.cfg.algorithm.kl_in_reward:
             self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
         self._new_weights(self.weight_version + 1)
-        return {k: float(np.max(v) if k.endswith("_max") else np.mean(v))
-                for k, v in ((k, [float(x) for x in v]) for k, v in stats.items())}
+        return step_metrics(stats)
 
     def _micro_losses(self, mini: Batch, stats: dict[str, list]) -> list:
         a = self.cfg.actor

@@ -26,7 +26,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
@@ -36,7 +35,16 @@ from transformers import AutoModelForTokenClassification
 from engine import algos, checkpoint
 from engine.batch import Batch
 from engine.config import Config
-from engine.train import TrainEngine, all_reduce_sum, in_step, micro_batches, response_hidden, scatter_valid, to_device
+from engine.train import (
+    TrainEngine,
+    all_reduce_sum,
+    in_step,
+    micro_batches,
+    response_hidden,
+    scatter_valid,
+    step_metrics,
+    to_device,
+)
 
 
 class ValueModel(nn.Module):
@@ -109,7 +117,7 @@ class Critic:
                 stats.setdefault("critic/grad_norm", []).append(out["grad_norm"])
                 stats.setdefault("critic/lr", []).append(out["lr"])
                 stats.setdefault("critic/vf_loss", []).append(all_reduce_sum(out["loss"]))
-        batch.metrics.update({k: float(np.mean([float(x) for x in v])) for k, v in stats.items()})
+        batch.metrics.update(step_metrics(stats))
         batch.metrics["critic/values/mean"] = float(algos.masked_mean(batch.values, mask))
         batch.metrics["critic/returns/mean"] = float(algos.masked_mean(batch.returns, mask))
         batch.metrics["critic/vf_explained_var"] = float(algos.explained_variance(batch.values, batch.returns, mask))

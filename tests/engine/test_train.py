@@ -13,6 +13,7 @@ from engine.train import (
     forward_logprobs,
     lr_lambda,
     micro_batches,
+    step_metrics,
 )
 
 
@@ -322,3 +323,8 @@ def test_sequence_parallel_needs_sp_to_divide_the_kv_heads():
     ulysses.check_heads(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), 2)
     with pytest.raises(ValueError, match="key/value heads \\(2\\)"):
         ulysses.check_heads(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), 4)
+
+
+def test_step_metrics_reads_device_values_once_max_or_mean():
+    stats = {"training/diff_max": [0.5, torch.tensor(2.0)], "actor/entropy": [torch.tensor(1.0), 2.0, 3.0]}
+    assert step_metrics(stats) == {"training/diff_max": 2.0, "actor/entropy": 2.0}
