@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from engine import kernels
-from engine.native_model import KVCache, NativeCausalLM, fused, head_dim
+from engine.native_model import KVCache, NativeCausalLM, fused, head_dim, to_device
 from engine.rollout import Completion, SamplingParams, stop_ids
 
 
@@ -208,7 +208,7 @@ class NativeRollout:
                 if admitted or retired:
                     running, rows = [s for s in running + admitted if not s.finish], None
                 if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
-                    self._kv_lens[self._index(retired)] = 0
+                    self._kv_lens[to_device(torch.tensor(retired), self.device)] = 0
                     free.extend(retired)
                 self._lap("schedule")
         flat = [c for c in done if c is not None]
@@ -219,12 +219,7 @@ class NativeRollout:
         return self.graphs is not None and plain(params) and kernels.available(self._hidden)
 
     def _slots(self, seqs: list[_Seq]) -> torch.Tensor:
-        return self._index([s.slot for s in seqs])
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        """`values` on the device, through pinned memory on CUDA: a plain copy would wait for a
-        decode step launched ahead."""
-        return torch.tensor(values, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
+        return to_device(torch.tensor([s.slot for s in seqs]), self.device)
 
     def _graph_rows(self, batch: list[_Seq]) -> int:
         """The captured row count a decode over `batch` replays: the smallest covering its highest slot."""

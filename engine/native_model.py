@@ -127,6 +127,14 @@ class RowLinear(nn.Linear):
         return out
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`x` on `device`; host tensors go to CUDA through pinned memory, so the copy neither waits
+    for the device work already queued (a decode step launched ahead, a backward) nor holds the host."""
+    if x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` compiled by inductor when its first argument is on CUDA, eager otherwise.
 

@@ -52,7 +52,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
 from engine import algos, ulysses, varlen
-from engine.native_model import consecutive_group, fused
+from engine.native_model import consecutive_group, fused, to_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
@@ -129,14 +129,6 @@ def attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda" and dtype != torch.float32 and is_flash_attn_2_available():
         return "flash_attention_2"
     return varlen.NAME if varlen.available(device, dtype) else "sdpa"
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`x` on `device`; host tensors go to CUDA through pinned memory, so the copy neither waits
-    for the device work already queued nor holds the host."""
-    if x.device.type == "cpu" and device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
 
 
 def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,

@@ -45,6 +45,7 @@ from transformers import AutoTokenizer
 from engine import algos, checkpoint
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
+from engine.native_model import to_device
 from engine.reshard import WeightBroadcast, push_weights, weight_shapes, weight_sync
 from engine.rollout import left_pad
 from engine.train import (
@@ -54,7 +55,6 @@ from engine.train import (
     micro_batches,
     response_logprobs,
     step_metrics,
-    to_device,
 )
 from stages.rollout import Rollout, peak_memory, right_pad
 

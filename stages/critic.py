@@ -35,6 +35,7 @@ from transformers import AutoModelForTokenClassification
 from engine import algos, checkpoint
 from engine.batch import Batch
 from engine.config import Config
+from engine.native_model import to_device
 from engine.train import (
     TrainEngine,
     all_reduce_sum,
@@ -43,7 +44,6 @@ from engine.train import (
     response_hidden,
     scatter_valid,
     step_metrics,
-    to_device,
 )
 
 
