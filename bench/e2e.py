@@ -219,7 +219,8 @@ def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, 
         "reward": dict(function=f"{BENCH / 'e2e_reward.py'}:rlflow_score"),
         # validation only at the end (it always runs there), greedy, on one prompt
         "trainer": dict(total_steps=args.steps, val_every=0, val_samples=0, samples_every=0, output_dir=str(out),
-                        experiment=EXPERIMENT, resume="never", max_restarts=0, progress=False, seed=args.seed),
+                        experiment=EXPERIMENT, resume="never", max_restarts=0, progress=False, seed=args.seed,
+                        log_checkpoint=False),  # the final checkpoint is saved, not copied into the run
     }
     for section, values in (gpu if cuda else {}).items():
         conf.setdefault(section, {}).update(values)
@@ -270,8 +271,10 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
     print("  rlflow settings (non-default):", ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
     uri = tracking_uri(work)
     env = child_env(MLFLOW_TRACKING_URI=uri, MLFLOW_ALLOW_FILE_STORE="true")
+    start = time.perf_counter()
     with DevicePeak() as peak:
         rc, tail = run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf)], work / "rlflow.log", env)
+    print(f"  rlflow's job took {time.perf_counter() - start:.0f} s", flush=True)
     if rc:
         raise SystemExit(f"rlflow failed (exit {rc}); log {work / 'rlflow.log'}:\n{tail}")
     m = read_metrics(uri)
@@ -315,9 +318,11 @@ def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train:
                                     "result": str(result)}))
         print(f"  TRL {mode}: micro-batch {micro} x {batch // micro} accumulation steps; GRPOConfig "
               + ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "output_dir"), flush=True)
+        start = time.perf_counter()
         with DevicePeak() as peak:
             rc, tail = run_logged([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec)],
                                   work / f"trl_{mode}.log", child_env())
+        print(f"  TRL {mode}'s job took {time.perf_counter() - start:.0f} s", flush=True)
         if rc == 0:
             break
         if "out of memory" in tail.lower() and micro > 1 and batch % (micro // 2) == 0:
