@@ -66,6 +66,7 @@ class ActorConfig:
     mini_batch_prompts: int = 16  # prompts per optimizer step
     micro_batch_tokens_per_gpu: int = 4096  # tokens per forward/backward: real ones if packed, else rows x width
     pack_sequences: bool = False  # sequences end to end in one row (pays off on CUDA; on CPU a block mask)
+    share_prompts: bool = False  # RL forwards compute each prompt once for all its samples (CUDA: flex attention)
     ppo_epochs: int = 1
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
@@ -292,8 +293,8 @@ def _validate_sp(cfg: Config) -> None:
         raise ConfigError(f"actor.sp={a.sp} must be >= 1 and divide placement.workers={workers}")
     if a.sp == 1:
         return
-    if a.pack_sequences:
-        raise ConfigError("actor.sp > 1 runs padded rows: set actor.pack_sequences=false")
+    if a.pack_sequences or a.share_prompts:
+        raise ConfigError("actor.sp > 1 runs padded rows: set actor.pack_sequences=false and actor.share_prompts=false")
     if cfg.algorithm.name not in ("grpo", "ppo") or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo":
         raise ConfigError(f"actor.sp > 1 trains grpo/ppo with a token-level loss; got algorithm.name="
                           f"{cfg.algorithm.name}, actor.loss_agg={a.loss_agg}, actor.policy_loss={a.policy_loss}")

@@ -16,12 +16,16 @@ kernels when installed, else PyTorch's own (engine/varlen.py, padded rows unpadd
 way); on the CPU, SDPA with a block-diagonal causal mask. With `sp` > 1 (Ulysses sequence
 parallelism, engine/ulysses.py) groups of sp ranks take the same padded rows and each runs
 1/sp of every row's tokens, FSDP2 still spanning all ranks; each rank's logprobs (and so its
-loss) cover only its slice. The lm_head runs a chunk of tokens at a time, so full fp32 logits
-[tokens, vocab] never exist; under autograd each chunk is recomputed in backward.
+loss) cover only its slice. With shared prompts (`shared_prompt_row`) a packed row holds each
+distinct prompt once, followed by the responses of all rows that have it, under a mask that lets a
+response see only its prompt and itself: the prompt's tokens are computed once for all its
+samples, and every logprob and gradient is what separate sequences give. The lm_head runs a chunk
+of tokens at a time, so full fp32 logits [tokens, vocab] never exist; under autograd each chunk is
+recomputed in backward.
 
 Invariants:
 - `logprobs` of the response equals what the rollout reported, up to kernel noise;
-- packed and padded forwards give the same logprobs, entropies and gradients;
+- packed, padded and shared-prompt forwards give the same logprobs, entropies and gradients;
 - micro-batches never exceed `micro_batch_tokens_per_gpu` tokens (real tokens when packing,
   rows x width when padded) unless one sequence alone does;
 - a non-finite loss or gradient never reaches the weights: the step is skipped and counted.
@@ -47,6 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
@@ -70,13 +75,31 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
     return fn
 
 
-def micro_batches(mask: torch.Tensor, budget: int, pack: bool) -> list[torch.Tensor]:
+def micro_batches(mask: torch.Tensor, budget: int, pack: bool, group_size: int = 1,
+                  prompt_width: int = 0) -> list[torch.Tensor]:
     """Row indices of each micro-batch of `mask` [N, L]: packed, sequences grouped by real length
-    (first-fit decreasing); padded, consecutive rows of rows x L <= budget (>= 1 row)."""
-    if pack:
-        return [torch.tensor(rows) for rows in first_fit_decreasing(mask.sum(1).tolist(), budget)]
-    per = max(1, budget // mask.shape[1])
-    return [torch.arange(i, min(i + per, len(mask))) for i in range(0, len(mask), per)]
+    (first-fit decreasing); padded, consecutive rows of rows x L <= budget (>= 1 row).
+
+    With `prompt_width` (shared prompts, `shared_prompt_row`), each run of `group_size` rows shares
+    the prompt in its first `prompt_width` columns: groups are packed whole, counting their prompt
+    once; a group over the budget is split, each part counting the prompt again."""
+    if not prompt_width:
+        if pack:
+            return [torch.tensor(rows) for rows in first_fit_decreasing(mask.sum(1).tolist(), budget)]
+        per = max(1, budget // mask.shape[1])
+        return [torch.arange(i, min(i + per, len(mask))) for i in range(0, len(mask), per)]
+    real, prompt = mask.sum(1).tolist(), mask[:, :prompt_width].sum(1).tolist()
+    parts: list[list[int]] = []  # rows that share one copy of their prompt
+    sizes: list[int] = []  # their tokens
+    for first in range(0, len(mask), group_size):
+        for r in range(first, min(first + group_size, len(mask))):
+            extra = real[r] - prompt[r]  # the row's response, after its group's prompt
+            if r == first or sizes[-1] + extra > budget:
+                parts.append([])
+                sizes.append(prompt[r])
+            parts[-1].append(r)
+            sizes[-1] += extra
+    return [torch.tensor([r for i in sorted(bin_) for r in parts[i]]) for bin_ in first_fit_decreasing(sizes, budget)]
 
 
 def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
@@ -123,16 +146,19 @@ def step_metrics(stats: dict[str, list]) -> dict[str, float]:
     return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in values.items()}
 
 
-def attn_implementation(device: torch.device, dtype: torch.dtype) -> str:
+def attn_implementation(device: torch.device, dtype: torch.dtype, share: bool = False) -> str:
     """Unpadded attention where a kernel exists for it (flash-attn's, else PyTorch's varlen on
-    CUDA in half precision); otherwise SDPA, which runs a packed row with a block mask."""
+    CUDA in half precision); otherwise SDPA, which runs a packed row with a block mask. Shared
+    prompts (`shared_prompt_row`) need a mask of their own: flex attention on CUDA, SDPA elsewhere."""
+    if share:
+        return "flex_attention" if device.type == "cuda" else "sdpa"
     if device.type == "cuda" and dtype != torch.float32 and is_flash_attn_2_available():
         return "flash_attention_2"
     return varlen.NAME if varlen.available(device, dtype) else "sdpa"
 
 
 def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                    valid: torch.Tensor, pack: bool) -> torch.Tensor:
+                    valid: torch.Tensor, pack: bool, share: bool = False) -> torch.Tensor:
     """Final hidden states [M, H] at the positions that predict the M valid response tokens, on
     the model's device.
 
@@ -142,6 +168,13 @@ def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions
     """
     device = next(model.parameters()).device
     width = valid.shape[1]
+    if share:
+        tokens, pos, group, row, at = shared_prompt_row(ids, mask, positions, valid)
+        out = model.base_model(input_ids=to_device(tokens[None], device), position_ids=to_device(pos[None], device),
+                               attention_mask=shared_prompt_mask(to_device(group, device), to_device(row, device),
+                                                                 model.config._attn_implementation == "flex_attention"),
+                               use_cache=False)
+        return out.last_hidden_state[0, to_device(at, device)]
     if not pack:
         out = model.base_model(input_ids=to_device(ids, device), attention_mask=to_device(mask, device),
                                position_ids=to_device(positions, device), use_cache=False)
@@ -153,6 +186,56 @@ def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions
     out = model.base_model(input_ids=to_device(ids[real][None], device),
                            position_ids=to_device(positions[real][None], device), use_cache=False)
     return out.last_hidden_state[0, to_device(at, device)]
+
+
+def shared_prompt_row(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                      valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows [n, L] (prompt left-, response right-padded; valid [n, R] the response mask) as one
+    packed row that holds each distinct prompt once, each row's response after it: (token ids [T],
+    position ids [T], each token's group [T] and row [T] (-1 for a prompt token), and the indices
+    [M] of the tokens that predict the valid response tokens, row-major as valid[valid]).
+
+    Under `shared_prompt_mask` a response attends to its prompt and itself, causally, so every
+    hidden state equals the one of its own sequence: a prompt token never sees a response."""
+    n, length = ids.shape
+    cut = length - valid.shape[1]  # where the responses start
+    real = mask.bool()
+    _, group_of = torch.unique(ids[:, :cut].masked_fill(~real[:, :cut], -1), dim=0, return_inverse=True)
+    tokens, pos, group, row, at = [], [], [], [], []
+    last: dict[int, int] = {}  # group -> position of its prompt's last token in the packed row
+    size = 0
+    for r in range(n):
+        g = int(group_of[r])
+        spans = [(slice(None, cut), real[r, :cut], -1)] if g not in last else []
+        spans.append((slice(cut, None), valid[r], r))
+        for cols, keep, owner in spans:
+            count = int(keep.sum())
+            tokens.append(ids[r, cols][keep])
+            pos.append(positions[r, cols][keep])
+            group.append(torch.full((count,), g))
+            row.append(torch.full((count,), owner))
+            if owner < 0:
+                last[g] = size + count - 1
+            elif count:  # the response's first token follows the prompt's last, each next one its predecessor
+                at.append(torch.tensor([last[g], *range(size, size + count - 1)]))
+            size += count
+    return (torch.cat(tokens), torch.cat(pos), torch.cat(group), torch.cat(row),
+            torch.cat(at) if at else torch.zeros(0, dtype=torch.long))
+
+
+def shared_prompt_mask(group: torch.Tensor, row: torch.Tensor, flex: bool) -> BlockMask | torch.Tensor:
+    """The attention mask of `shared_prompt_row`: a token sees the earlier tokens of its group's
+    prompt and of its own row. For flex attention a block mask, which skips the blocks nobody sees;
+    else (SDPA: the CPU, where flex attention has no backward) a dense [1, 1, T, T] bool mask."""
+    def allowed(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (k <= q) & (group[q] == group[k]) & ((row[k] < 0) | (row[q] == row[k]))
+
+    size = len(group)
+    if flex:
+        return create_block_mask(lambda b, h, q, k: allowed(q, k), None, None, size, size, device=group.device,
+                                 _compile=group.device.type == "cuda")  # compiled: block by block, no [T, T] mask
+    at = torch.arange(size, device=group.device)
+    return allowed(at[:, None], at[None, :])[None, None]
 
 
 def scatter_valid(valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -207,10 +290,10 @@ class Policy(nn.Module):
 
     def forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                 targets: torch.Tensor, temperature: float, pack: bool, entropy: bool,
-                chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk: int, share: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sp_group is None:
-            hidden = response_hidden(self.lm, ids, mask, positions, valid, pack)
-        elif pack:
+            hidden = response_hidden(self.lm, ids, mask, positions, valid, pack, share)
+        elif pack or share:
             raise ValueError("sequence parallelism runs padded rows, not packed ones")
         else:
             device = next(self.parameters()).device
@@ -232,18 +315,19 @@ class Policy(nn.Module):
 
 def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                      responses: torch.Tensor, temperature: float, pack: bool, entropy: bool = True,
-                     chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+                     chunk: int = LOGITS_CHUNK_TOKENS, share: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's forward: response logprobs and entropies [n, R] in float32 on the model's
     device, 0 where the response is padding (entropy 0 unless asked for). `model` is a Policy
     (a TrainEngine's `root`) or a plain HF causal LM. Sequence-parallel, only this rank's tokens
-    (`Policy.response_mask`) are filled in.
+    (`Policy.response_mask`) are filled in. With `share`, rows with the same prompt compute it once
+    (`shared_prompt_row`; the model must run flex attention).
     ids/mask/positions: [n, P+R]; responses: [n, R]; all on one device, best the host's (see
     `response_hidden`)."""
     if not isinstance(model, Policy) and isinstance(next(model.parameters()), DTensor):
         raise TypeError("an FSDP-sharded model runs forwards through its TrainEngine's `root`")
     policy = model if isinstance(model, Policy) else Policy(model)
     valid = policy.response_mask(mask, responses.shape[1])  # [n, R], where the inputs are (see response_hidden)
-    logp, ent = policy(ids, mask, positions, valid, responses[valid], temperature or 1.0, pack, entropy, chunk)
+    logp, ent = policy(ids, mask, positions, valid, responses[valid], temperature or 1.0, pack, entropy, chunk, share)
     return scatter_valid(valid, logp), scatter_valid(valid, ent)
 
 
@@ -260,18 +344,20 @@ def in_step(model: Any, count: int) -> int:
 
 def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                       responses: torch.Tensor, temperature: float, budget: int, with_entropy: bool = False,
-                      pack: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      pack: bool = False, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """No-grad response logprobs [N, R] (and entropy [N, R]) on the CPU, in token-budget micro-batches.
 
     Padded unless asked: a caller's budget may be sized for logits, and a packed row's SDPA mask
-    grows with the square of the budget."""
+    grows with the square of the budget. With `group_size`, runs of that many rows share their
+    prompt, computed once (`forward_logprobs`' `share`)."""
     logps = torch.zeros(responses.shape)
     ents = torch.zeros(responses.shape)
-    chunks = micro_batches(mask, budget, pack)
+    share = group_size > 0
+    chunks = micro_batches(mask, budget, pack, group_size, mask.shape[1] - responses.shape[1] if share else 0)
     with torch.no_grad():
         for rows in chunks:
             logp, ent = forward_logprobs(model, ids[rows], mask[rows], positions[rows], responses[rows],
-                                         temperature, pack, with_entropy)
+                                         temperature, pack, with_entropy, share=share)
             logps[rows], ents[rows] = logp.cpu(), ent.cpu()
         for _ in range(in_step(model, len(chunks)) - len(chunks)):
             model.idle()
@@ -301,18 +387,20 @@ class TrainEngine:
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
                  root: Any = None, checkpointing: bool = False, model_cls: Any = AutoModelForCausalLM,
-                 sp: int = 1, compile_layers: bool = False, **model_kwargs: Any) -> None:
+                 sp: int = 1, compile_layers: bool = False, share_prompts: bool = False,
+                 **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
         (default `Policy`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
         decoder layer's activations in backward instead of keeping them; `sp` > 1 runs the Policy's
-        forwards sequence-parallel over groups of `sp` consecutive ranks, which must pass the same rows."""
+        forwards sequence-parallel over groups of `sp` consecutive ranks, which must pass the same rows;
+        `share_prompts` picks the attention that shared-prompt forwards need (`attn_implementation`)."""
         root = root or Policy
         self.device = torch.device(device)
         process_group(self.device)
         if sp > 1 and root is not Policy:
             raise ValueError("sequence parallelism runs only the Policy root's forwards")
         sp_group = consecutive_group(sp) if sp > 1 else None  # collective: before any other group
-        attn = ulysses.NAME if sp > 1 else attn_implementation(self.device, DTYPES[dtype])
+        attn = ulysses.NAME if sp > 1 else attn_implementation(self.device, DTYPES[dtype], share_prompts)
         self.model: Any = model_cls.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn,
                                                     **model_kwargs)
         if sp > 1:

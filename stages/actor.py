@@ -69,7 +69,7 @@ class ActorRollout:
         self.engine = TrainEngine(model_path, a.lr, a.weight_decay, a.grad_clip, a.warmup_steps,
                                   rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing,
-                                  sp=a.sp, compile_layers=a.compile_layers)
+                                  sp=a.sp, compile_layers=a.compile_layers, share_prompts=a.share_prompts)
         # Split placement: the rollout pool generates; this process keeps no engine (nor its memory).
         self.rollout = None if "rollout" in cfg.placement.own_pool else Rollout(cfg, model_path, rank, world, device)
         self.sync_rollout = (lambda: None) if self.rollout is None else \
@@ -158,7 +158,7 @@ class ActorRollout:
         ids, mask, pos = rows.sequences()
         old, _ = response_logprobs(
             self.engine.root, ids, mask, pos, rows.response_ids, self.cfg.rollout.temperature,
-            self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
+            a.micro_batch_tokens_per_gpu, pack=a.pack_sequences, group_size=rows.group_size if a.share_prompts else 0)
         first = sum(len(m) for m in members[:me])
         batch.old_logprobs = old[first:first + len(batch), :batch.response_ids.shape[1]]  # responses: right-padded
         diff = (batch.old_logprobs.exp() - batch.rollout_logprobs.exp()).abs()
@@ -255,8 +255,10 @@ class ActorRollout:
         mask = mini.response_mask * self.engine.root.response_mask(attn, mini.response_ids.shape[1])
         seq_mode = a.loss_agg != "token-mean"
         denom = all_reduce_sum(float(len(mini)) / a.sp if seq_mode else float(mask.sum()))
+        prompt_width = attn.shape[1] - mini.response_ids.shape[1] if a.share_prompts else 0
         return [partial(self._loss, mini, r, ids, attn, pos, mask, denom, stats)
-                for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)]
+                for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences, mini.group_size,
+                                       prompt_width)]
 
     def _loss(self, mini: Batch, r: torch.Tensor, ids, attn, pos, owned: torch.Tensor, denom: float,
               stats) -> torch.Tensor:
@@ -265,7 +267,7 @@ class ActorRollout:
         the host until the forward is done, before it could queue the backward."""
         a = self.cfg.actor
         logp, entropy = forward_logprobs(self.engine.root, ids[r], attn[r], pos[r], mini.response_ids[r],
-                                         self.cfg.rollout.temperature, a.pack_sequences)
+                                         self.cfg.rollout.temperature, a.pack_sequences, share=a.share_prompts)
         on = lambda x: to_device(x[r], logp.device)  # noqa: E731
         mask = on(owned)
         means: dict[str, torch.Tensor] = {}  # masked means over this rank's tokens; with SP, the group's below

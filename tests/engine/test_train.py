@@ -3,6 +3,7 @@ import shutil
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 
 from engine import algos
 from engine.train import (
@@ -72,6 +73,73 @@ def test_packed_forward_matches_padded_values_and_gradients(model_dir):
     # a padded row leaks into its neighbours if the packed attention ignored sequence boundaries
     alone, _ = forward_logprobs(engine.root, ids[1:2], mask[1:2], pos[1:2], responses[1:2], 0.7, True)
     torch.testing.assert_close(alone[0], values[0][0][1].detach(), rtol=1e-5, atol=1e-6)
+
+
+def grouped_batch(prompt_lens, samples, response_lens):
+    """`padded_batch` whose rows come in runs of `samples` with one prompt each (as a rollout's
+    groups): prompt_lens per group, response_lens per row."""
+    ids, mask, pos, responses = padded_batch([p for p in prompt_lens for _ in range(samples)], response_lens)
+    width = ids.shape[1] - responses.shape[1]
+    for first in range(0, len(ids), samples):
+        ids[first:first + samples, :width] = ids[first, :width]
+    return ids, mask, pos, responses
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_shared_prompts_match_separate_sequences_values_and_gradients(model_dir, device):
+    """The CPU runs the shared row under SDPA with a dense mask, CUDA under flex attention's block
+    mask (the layers in float32 on both, for a tight comparison)."""
+    # three groups of 3 samples, the last group's prompt equal to the first's (a prompt drawn twice)
+    ids, mask, pos, responses = grouped_batch([4, 7, 4], 3, [5, 2, 9, 4, 1, 6, 3, 8, 2])
+    ids[6:, :ids.shape[1] - responses.shape[1]] = ids[0, :ids.shape[1] - responses.shape[1]]
+    engine = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", device, share_prompts=True)
+    grads, values = [], []
+    for share in (True, False):
+        engine.model.zero_grad()
+        logp, ent = forward_logprobs(engine.root, ids, mask, pos, responses, 0.7, False, chunk=5, share=share)
+        ((logp.sum() + 0.1 * ent.sum()) / mask.sum()).backward()
+        values.append((logp, ent))
+        grads.append([p.grad.clone() for p in engine.model.parameters()])
+    torch.testing.assert_close(values[0], values[1], rtol=1e-5, atol=1e-6)
+    for (name, _), a, b in zip(engine.model.named_parameters(), *grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=name)
+    # a response attending to another sample's tokens would change its logprobs
+    alone, _ = forward_logprobs(engine.root, ids[4:5], mask[4:5], pos[4:5], responses[4:5], 0.7, False)
+    torch.testing.assert_close(alone[0], values[0][0][4].detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="flex attention compiles (inductor)")
+def test_shared_prompt_block_mask_gives_the_dense_masks_values(model_dir):
+    """CUDA's shared-prompt attention (flex, a block mask) computes what the CPU's dense mask does;
+    flex attention has no backward on the CPU, so only the forward is compared here."""
+    ids, mask, pos, responses = grouped_batch([4, 7], 3, [5, 2, 9, 4, 1, 6])
+    out = []
+    for attention in ("flex_attention", "sdpa"):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
+        with torch.no_grad():
+            out.append(forward_logprobs(model, ids, mask, pos, responses, 0.7, False, share=True))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-6)
+
+
+def test_shared_prompt_micro_batches_count_each_prompt_once():
+    ids, mask, pos, responses = grouped_batch([4, 7, 2], 3, [5, 2, 9, 4, 1, 6, 3, 8, 2])
+    width = ids.shape[1] - responses.shape[1]
+    chunks = micro_batches(mask, 20, True, group_size=3, prompt_width=width)
+    assert sorted(r for c in chunks for r in c.tolist()) == list(range(9))
+
+    def shared(rows):  # a micro-batch's tokens with each group's prompt once
+        groups = {int(r) // 3 for r in rows}
+        return int(mask[rows, width:].sum() + sum(mask[3 * g, :width].sum() for g in groups))
+    # groups of 4+16, 7+11 and 2+13 tokens, shared: each fits the budget and stays whole
+    assert sorted(sorted(c.tolist()) for c in chunks) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert [shared(c) for c in chunks] == [20, 18, 15]
+    # a group over the budget splits, each part with its own copy of the prompt
+    chunks = micro_batches(mask, 12, True, group_size=3, prompt_width=width)
+    assert sorted(r for c in chunks for r in c.tolist()) == list(range(9))
+    assert all(shared(c) <= 12 or len(c) == 1 for c in chunks)  # a row over the budget runs alone
+    # the parts: rows 0-1 (4+5+2), 2 (4+9), 3-4 (7+4+1), 5 (7+6), 6 (2+3), 7-8 (2+8+2)
+    assert sorted(sorted(c.tolist()) for c in chunks) == [[0, 1], [2], [3, 4], [5], [6], [7, 8]]
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="inductor on the CPU needs a C compiler")

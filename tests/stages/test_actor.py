@@ -123,9 +123,9 @@ def test_export_loads_with_transformers(model_dir, tmp_path):
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
 def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_files, tmp_path, loss_agg):
-    """One optimizer step over 8 prompts x 2 samples: packed or padded, in one micro-batch or many,
-    with old logprobs from the update's own forward (on-policy) or recomputed, the loss and gradient
-    agree."""
+    """One optimizer step over 8 prompts x 2 samples: packed or padded or with each prompt once for
+    its samples, in one micro-batch or many, with old logprobs from the update's own forward
+    (on-policy) or recomputed, the loss and gradient agree."""
     from dataclasses import replace
 
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
@@ -140,8 +140,11 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
     assert len(set(batch.response_mask.sum(1).tolist())) > 1, "the equivalence needs mixed lengths"
     start = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
     results = []
-    for pack, budget in [(False, 1024), (True, 1024), (True, 28), (False, 28)]:  # 28: one row per padded micro-batch
-        actor.cfg = replace(cfg, actor=replace(cfg.actor, pack_sequences=pack, micro_batch_tokens_per_gpu=budget))
+    # 28: one row per padded micro-batch, and groups split in two when prompts are shared
+    for pack, budget, share in [(False, 1024, False), (True, 1024, False), (True, 28, False), (False, 28, False),
+                                (False, 1024, True), (False, 28, True)]:
+        actor.cfg = replace(cfg, actor=replace(cfg.actor, pack_sequences=pack, micro_batch_tokens_per_gpu=budget,
+                                               share_prompts=share))
         actor.engine.model.load_state_dict(start)
         actor.weight_version = batch.weight_version  # rewound by hand to the weights that generated the batch
         m = actor.update(batch.rows(slice(None)))["metrics"]
@@ -152,7 +155,7 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
     actor.weight_version = batch.weight_version
     recomputed = batch.rows(slice(None))
     recomputed.old_logprobs, _ = response_logprobs(actor.engine.root, *recomputed.sequences(), recomputed.response_ids,
-                                                   cfg.rollout.temperature, 1024)
+                                                   cfg.rollout.temperature, 1024, group_size=2)  # shared prompts
     m = actor.update(recomputed)["metrics"]
     results.append((m["actor/pg_loss"], results[0][1], [p.grad.clone() for p in actor.engine.model.parameters()]))
     for loss, mismatch, grads in results[1:]:
