@@ -184,9 +184,12 @@ class DevicePeak:
 
 
 def run_logged(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[int, str]:
-    """Run `cmd` from the repo root with its output in `log`; (exit code, last 4000 characters)."""
+    """Run `cmd` from the repo root with its output in `log`, printing its wall time (to size a
+    run's device time); (exit code, last 4000 characters)."""
+    start = time.perf_counter()
     with open(log, "w") as fh:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
+    print(f"  {log.stem}'s job took {time.perf_counter() - start:.0f} s", flush=True)
     return rc, log.read_text()[-4000:]
 
 
@@ -271,10 +274,8 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
     print("  rlflow settings (non-default):", ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
     uri = tracking_uri(work)
     env = child_env(MLFLOW_TRACKING_URI=uri, MLFLOW_ALLOW_FILE_STORE="true")
-    start = time.perf_counter()
     with DevicePeak() as peak:
         rc, tail = run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf)], work / "rlflow.log", env)
-    print(f"  rlflow's job took {time.perf_counter() - start:.0f} s", flush=True)
     if rc:
         raise SystemExit(f"rlflow failed (exit {rc}); log {work / 'rlflow.log'}:\n{tail}")
     m = read_metrics(uri)
@@ -318,11 +319,9 @@ def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train:
                                     "result": str(result)}))
         print(f"  TRL {mode}: micro-batch {micro} x {batch // micro} accumulation steps; GRPOConfig "
               + ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "output_dir"), flush=True)
-        start = time.perf_counter()
         with DevicePeak() as peak:
             rc, tail = run_logged([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec)],
                                   work / f"trl_{mode}.log", child_env())
-        print(f"  TRL {mode}'s job took {time.perf_counter() - start:.0f} s", flush=True)
         if rc == 0:
             break
         if "out of memory" in tail.lower() and micro > 1 and batch % (micro // 2) == 0:

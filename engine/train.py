@@ -203,22 +203,26 @@ def shared_prompt_row(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Te
     _, group_of = torch.unique(ids[:, :cut].masked_fill(~real[:, :cut], -1), dim=0, return_inverse=True)
     tokens, pos, group, row, at = [], [], [], [], []
     last: dict[int, int] = {}  # group -> position of its prompt's last token in the packed row
+
+    def append(r: int, cols: slice, keep: torch.Tensor, g: int, owner: int) -> int:
+        """Row r's kept tokens in `cols`, as group g's and `owner`'s; how many."""
+        count = int(keep.sum())
+        tokens.append(ids[r, cols][keep])
+        pos.append(positions[r, cols][keep])
+        group.append(torch.full((count,), g))
+        row.append(torch.full((count,), owner))
+        return count
+
     size = 0
     for r in range(n):
         g = int(group_of[r])
-        spans = [(slice(None, cut), real[r, :cut], -1)] if g not in last else []
-        spans.append((slice(cut, None), valid[r], r))
-        for cols, keep, owner in spans:
-            count = int(keep.sum())
-            tokens.append(ids[r, cols][keep])
-            pos.append(positions[r, cols][keep])
-            group.append(torch.full((count,), g))
-            row.append(torch.full((count,), owner))
-            if owner < 0:
-                last[g] = size + count - 1
-            elif count:  # the response's first token follows the prompt's last, each next one its predecessor
-                at.append(torch.tensor([last[g], *range(size, size + count - 1)]))
-            size += count
+        if g not in last:  # the group's prompt, once
+            size += append(r, slice(None, cut), real[r, :cut], g, -1)
+            last[g] = size - 1
+        start = size
+        size += append(r, slice(cut, None), valid[r], g, r)
+        if size > start:  # a response's first token follows its prompt's last, each next one its predecessor
+            at.append(torch.tensor([last[g], *range(start, size - 1)]))
     return (torch.cat(tokens), torch.cat(pos), torch.cat(group), torch.cat(row),
             torch.cat(at) if at else torch.zeros(0, dtype=torch.long))
 
@@ -320,7 +324,7 @@ def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, position
     device, 0 where the response is padding (entropy 0 unless asked for). `model` is a Policy
     (a TrainEngine's `root`) or a plain HF causal LM. Sequence-parallel, only this rank's tokens
     (`Policy.response_mask`) are filled in. With `share`, rows with the same prompt compute it once
-    (`shared_prompt_row`; the model must run flex attention).
+    (`shared_prompt_row`; the model must run the attention `attn_implementation` picks for it).
     ids/mask/positions: [n, P+R]; responses: [n, R]; all on one device, best the host's (see
     `response_hidden`)."""
     if not isinstance(model, Policy) and isinstance(next(model.parameters()), DTensor):
