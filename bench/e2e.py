@@ -426,10 +426,10 @@ def bench_shape(shape: str, args: argparse.Namespace, cuda: bool) -> list[dict]:
         rows = [run_rlflow(args, cuda, model, train, val, work)]
         rows += [run_trl(args, cuda, mode, model, train, work) for mode in args.trl_modes]
         check_lengths(rows, args)
-    best = max(r["tok_s_gpu"] for r in rows if r["framework"] == "TRL")
+    best = max((r["tok_s_gpu"] for r in rows if r["framework"] == "TRL"), default=None)
     for r in rows:
         r["shape"] = shape
-        r["ratio"] = f"{r['tok_s_gpu'] / best:.2f}x" if r["framework"] == "rlflow" else ""
+        r["ratio"] = f"{r['tok_s_gpu'] / best:.2f}x" if best and r["framework"] == "rlflow" else ""
     return rows
 
 
@@ -450,7 +450,8 @@ def main() -> None:
     ap.add_argument("--rlflow-set", action="append", metavar="SECTION.KEY=VALUE",
                     help="an rlflow config setting for its job, e.g. actor.compile_layers=true (repeatable)")
     ap.add_argument("--trl-micro", type=int, default=64, help="TRL's first micro-batch try, in sequences")
-    ap.add_argument("--trl-modes", default="default,no-ckpt", help=f"comma list of {sorted(TRL_MODES)}")
+    ap.add_argument("--trl-modes", default="default,no-ckpt",
+                    help=f"comma list of {sorted(TRL_MODES)}; empty runs rlflow alone")
     ap.add_argument("--out", default=str(Path(os.environ["OUT"]) / "e2e.json") if os.environ.get("OUT")
                     else str(BENCH / "out" / "e2e.json"))
     ap.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: the TRL child process

@@ -20,6 +20,9 @@ Tokens/s counts real tokens over all ranks. MFU (CUDA) = model FLOPs / time / (G
 `--peak-tflops`), model FLOPs = 6 x matmul parameters x tokens (the input embedding is a lookup,
 not counted unless tied to the head) + 6 x layers x hidden x sum of squared sequence lengths
 (causal attention, forward and backward); recomputation is not counted.
+With `--group` G > 1, each run of G rows has one prompt, and `shared` times the same rows with each
+prompt computed once (`actor.share_prompts`); its tokens and FLOPs are still counted per sequence,
+so its MFU is the effective one.
 The header names the attention kernel (flash-attn, PyTorch's varlen, or SDPA with a mask).
 
 --longest: one sequence per SP group, `--prompt` min tokens of prompt and the rest response,
@@ -51,15 +54,19 @@ SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True)}
 
 
-def make_batch(seqs: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int) -> dict:
-    """Left-padded prompts + right-padded responses as the trainer gets them, with random advantages."""
+def make_batch(seqs: int, prompt: tuple[int, int], response: tuple[int, int], vocab: int, seed: int,
+               group: int = 1) -> dict:
+    """Left-padded prompts + right-padded responses as the trainer gets them, with random advantages;
+    each run of `group` rows has one prompt (GRPO's samples of a prompt)."""
     g = torch.Generator().manual_seed(seed)
-    plen = torch.randint(prompt[0], prompt[1] + 1, (seqs,), generator=g)
+    plen = torch.randint(prompt[0], prompt[1] + 1, (-(-seqs // group),), generator=g).repeat_interleave(group)[:seqs]
     rlen = torch.randint(response[0], response[1] + 1, (seqs,), generator=g)
     P, R = int(plen.max()), int(rlen.max())
     cols = torch.arange(P + R)
     mask = ((cols >= P - plen[:, None]) & (cols < P + rlen[:, None])).long()  # [N, P+R]
-    ids = torch.randint(3, vocab, (seqs, P + R), generator=g) * mask
+    ids = torch.randint(3, vocab, (seqs, P + R), generator=g)
+    ids[:, :P] = ids[::group, :P].repeat_interleave(group, 0)[:seqs]
+    ids *= mask
     rmask = mask[:, P:].float()
     return dict(ids=ids, mask=mask, pos=(mask.cumsum(1) - 1).clamp(min=0), responses=ids[:, P:], rmask=rmask,
                 adv=torch.randn(seqs, 1, generator=g) * rmask, old=-torch.rand(seqs, R, generator=g) * 5 * rmask)
@@ -72,14 +79,20 @@ def ppo_loss(logp: torch.Tensor, b: dict, rows: torch.Tensor, denom: float) -> t
     return loss
 
 
-def rlflow_losses(root, b: dict, budget: int, pack: bool) -> list[Callable[[], torch.Tensor]]:
+def rlflow_losses(root, b: dict, budget: int, pack: bool, group: int = 0) -> list[Callable[[], torch.Tensor]]:
+    """With `group`, runs of that many rows compute their shared prompt once (share_prompts)."""
     denom = float(b["rmask"].sum())
 
     def loss(rows: torch.Tensor) -> torch.Tensor:
         logp, _ = forward_logprobs(root, b["ids"][rows], b["mask"][rows], b["pos"][rows], b["responses"][rows],
-                                   1.0, pack)
+                                   1.0, pack, share=group > 0)
         return ppo_loss(logp, b, rows, denom)
-    return [partial(loss, rows) for rows in micro_batches(b["mask"], budget, pack)]
+    width = b["mask"].shape[1] - b["responses"].shape[1] if group else 0
+    return [partial(loss, rows) for rows in micro_batches(b["mask"], budget, pack, group, width)]
+
+
+def rlflow_step(engine: TrainEngine, b: dict, budget: int, pack: bool, group: int = 0) -> dict[str, float]:
+    return engine.step(partial(rlflow_losses, engine.root, b, budget, pack, group))
 
 
 def hf_losses(model, b: dict, budget: int) -> list[Callable[[], torch.Tensor]]:
@@ -130,7 +143,7 @@ def model_flops(cfg, mask: torch.Tensor) -> float:
 def throughput(rank: int, world: int, args, path: str, device: torch.device) -> None:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     cfg = AutoConfig.from_pretrained(path)
-    b = make_batch(args.seqs, args.prompt, args.response, cfg.vocab_size, seed=rank)
+    b = make_batch(args.seqs, args.prompt, args.response, cfg.vocab_size, rank, args.group)
     tokens = total(float(b["mask"].sum()), device)
     flops = total(model_flops(cfg, b["mask"]), device)
     padded = total(float(b["mask"].numel()), device)
@@ -140,18 +153,26 @@ def throughput(rank: int, world: int, args, path: str, device: torch.device) -> 
     engine = TrainEngine(path, 1e-6, 0.0, 1.0, 0, 1000, "constant", dtype, str(device),
                          checkpointing=args.checkpointing, compile_layers=args.compile)
     methods: dict[str, Callable[[], object]] = {
-        "packed": lambda: engine.step(lambda: rlflow_losses(engine.root, b, args.budget, True)),
-        "padded": lambda: engine.step(lambda: rlflow_losses(engine.root, b, args.budget, False))}
+        "packed": partial(rlflow_step, engine, b, args.budget, True),
+        "padded": partial(rlflow_step, engine, b, args.budget, False)}
     peak_gib(device)
     rates = {}
     for name, run in methods.items():
         rates[name] = report(name, run, tokens, flops, world, args, device, rank)
     if args.profile:
         profile(methods["packed"], rank)
-    if world == 1 and args.hf:
-        del engine, methods
+    del engine, methods
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.group > 1:  # the same rows, each group's prompt computed once: an engine with that attention
+        shared = TrainEngine(path, 1e-6, 0.0, 1.0, 0, 1000, "constant", dtype, str(device),
+                             checkpointing=args.checkpointing, compile_layers=args.compile, share_prompts=True)
+        rates["shared"] = report("shared", partial(rlflow_step, shared, b, args.budget, True, args.group), tokens,
+                                 flops, world, args, device, rank)
+        del shared
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if world == 1 and args.hf:
         attn = attn_implementation(device, getattr(torch, dtype))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=attn)
         model.to(device).train()
@@ -159,10 +180,10 @@ def throughput(rank: int, world: int, args, path: str, device: torch.device) -> 
         peak_gib(device)
         rates["hf"] = report("hf", lambda: hf_step(model, optimizer, hf_losses(model, b, args.budget)), tokens,
                              flops, world, args, device, rank)
-        print(f"packed/hf {rates['packed'] / rates['hf']:.2f}x, padded/hf {rates['padded'] / rates['hf']:.2f}x, "
-              f"packed/padded {rates['packed'] / rates['padded']:.2f}x", flush=True)
-    elif rank == 0:
-        print(f"packed/padded {rates['packed'] / rates['padded']:.2f}x", flush=True)
+    if rank == 0:
+        print(", ".join(f"{x}/{y} {rates[x] / rates[y]:.2f}x" for x, y in
+                        (("packed", "hf"), ("padded", "hf"), ("shared", "hf"), ("packed", "padded"),
+                         ("shared", "packed")) if x in rates and y in rates), flush=True)
 
 
 def report(name: str, run: Callable[[], object], tokens: float, flops: float, world: int, args,
@@ -240,6 +261,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     ap.add_argument("--response", type=int, nargs=2, default=(50, 1000), metavar=("MIN", "MAX"))
     ap.add_argument("--budget", type=int, default=2048, help="tokens per micro-batch")
+    ap.add_argument("--group", type=int, default=1,
+                    help="rows per prompt (GRPO samples); above 1 also times `shared` (actor.share_prompts)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the trainer")
     ap.add_argument("--compile", action="store_true", help="the trainer's decoder layers through torch.compile")
