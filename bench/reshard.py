@@ -3,6 +3,8 @@ in place, against a reload baseline, side by side on the same GPUs.
 
     python bench/reshard.py --gpus 2 --shape qwen2.5-1.5b --tp 1,2
     python bench/reshard.py --gpus 2 --shape tiny --tp 1,2 --device cpu     # CPU smoke run, gloo
+    python bench/reshard.py --gpus 2 --shape deep --tp 1,2 --slots 8 --max-len 64  # the per-tensor host work
+    python bench/reshard.py --gpus 2 --shape qwen2.5-7b --tp 2 --repeats 3 --profile  # where a switch's time goes
 
 Random weights in the given model shape (saved once as a bf16 HF directory under --cache), the
 real engines: `engine.train.TrainEngine` (FSDP2 over all ranks, float32 master weights, AdamW
@@ -39,9 +41,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from shapes import QWEN25, copy_tbps, free_port, model_dir, timed  # bench/shapes.py: bench/ is sys.path[0] here
 
-SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
-    hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)}
+TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
+# tiny: a CPU smoke run. deep: the 28 layers of the 1.5B and 7B shapes (their count of tensors and
+# blocks) at tiny width, where a switch's time is the host's work per tensor, not its bytes
+SHAPES = {**QWEN25, "tiny": TINY, "deep": dict(TINY, num_hidden_layers=28)}
 
 
 def peak_gb(device: str) -> float:
@@ -134,6 +138,8 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
         peak = max(peak, peak_gb(device))
         up.append(timed(to_training, device))
     reshard_only = statistics.median(timed(resharder.sync, device) for _ in range(args.repeats))
+    if args.profile:
+        profile_sync(resharder, device, rank)
     if world > 1:  # the bytes that must cross a link, at the measured all-to-all rate
         link, bw = "all-to-all", alltoall_gbps(resharder.bytes_received, device)
         floor = resharder.bytes_from_peers / 1e9 / bw
@@ -158,6 +164,21 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
               f"       reload baseline (full state dict -> fresh engine, graphs captured) {baseline * 1e3:.0f} ms "
               f"= {baseline / reshard_only:.0f}x the reshard, {baseline / d:.1f}x train->gen; "
               f"peak {train_peak:.1f} GiB train, {peak:.1f} GiB switch+gen", flush=True)
+
+
+def profile_sync(resharder: Any, device: str, rank: int) -> None:
+    """One more reshard under torch.profiler; rank 0 prints where its host and device time went."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device == "cuda"
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        resharder.sync()
+        if cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "device_time_total" if cuda else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: str) -> None:
@@ -197,6 +218,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--offload", action=argparse.BooleanOptionalAction, default=True,
                     help="optimizer state to pinned CPU memory during generation")
+    ap.add_argument("--profile", action="store_true", help="profile one more reshard per TP size (rank 0 prints)")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "rlflow-bench-models"))
     args = ap.parse_args()
     args.tp = [int(t) for t in args.tp.split(",")]

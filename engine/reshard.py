@@ -17,7 +17,9 @@ order on every rank:
     copy each received block into its place in the rollout's parameters
 
 Rows a rank needs from its own shard skip the buffers: they are copied into place while the
-bucket's collective runs. A bucket's copies wait for its collective while the next bucket packs
+bucket's collective runs. The blocks are bound to views of the tensors they read and write once,
+and again only when one of those tensors moved, so a switch is a few batched copies per bucket
+(`torch._foreach_copy_`), not a few tensor ops per block on the host. A bucket's copies wait for its collective while the next bucket packs
 and starts its own, so packing overlaps communication. No rank ever holds more than two buckets beyond its own shard
 and its own rollout piece. With
 t = 1 every rank needs every weight, and the all_to_all moves what an all-gather would (the floor).
@@ -114,6 +116,8 @@ class Resharder:
         self.zeros = [v[0] for v in mine.values() if v and v[1].zero]  # filled here, nothing sent
         self.buckets = self._plan(needs, bucket_bytes)
         self.moves = [self._arrange(bucket) for bucket in self.buckets]  # per switch, only the copies and collectives
+        self._key: list[int] = []  # the addresses `_bound`'s views were made at
+        self._bound: list[BucketViews] = []
         mine_in = [b for bucket in self.buckets for b in bucket if b.dst == self.rank]
         self.bytes_received = sum(b.numel(self.source[b.name].shape) for b in mine_in) * self.dtype.itemsize
         self.bytes_from_peers = sum(b.numel(self.source[b.name].shape) for b in mine_in
@@ -135,13 +139,12 @@ class Resharder:
         for target in self.zeros:
             self.target[target].zero_()
         flying = None  # the previous bucket: its copies in wait for its collective, while this one's packs
-        for out, inc, own, out_splits, in_splits in self.moves:
-            sent = self._send(out, out_splits, in_splits)
-            for b in own:  # rows this rank keeps go straight from its shard into place
-                self._place(b, self._local_rows(b))
+        for views in self._views():
+            sent = self._send(views)
+            copy_all(views.own_dst, views.own_src)  # rows this rank keeps go straight from its shard into place
             if flying:
                 self._receive(*flying)
-            flying = (inc, *sent)
+            flying = (views, *sent)
         if flying:
             self._receive(*flying)
 
@@ -156,41 +159,47 @@ class Resharder:
         own = [b for b in bucket if b.src == b.dst == self.rank]
         return out, inc, own, self._splits(out, "dst"), self._splits(inc, "src")
 
-    def _send(self, out: list[Block], out_splits: list[int], in_splits: list[int]) -> tuple[torch.Tensor, Any]:
+    def _views(self) -> list[BucketViews]:
+        """Every bucket's blocks as views of the tensors they read and write, made once and made
+        again only when a tensor under them moved (FSDP2's lazy init can swap a shard's storage):
+        a switch then runs a few batched copies per bucket, not a few tensor ops per block."""
+        key = [t.data_ptr() for t in self._anchors()]
+        if key != self._key:
+            self._bound = [BucketViews([self._source_rows(b) for b in out], [self._target_rows(b) for b in inc],
+                                       [self._target_rows(b) for b in own], [self._source_rows(b) for b in own],
+                                       out_splits, in_splits)
+                           for out, inc, own, out_splits, in_splits in self.moves]
+            self._key = key
+        return self._bound
+
+    def _anchors(self) -> list[torch.Tensor]:
+        """The tensors the views lie in: this rank's shard of every source, every target."""
+        return [*(local(p) for p in self.source.values()), *self.target.values()]
+
+    def _send(self, views: BucketViews) -> tuple[torch.Tensor, Any]:
         """Pack this rank's outgoing blocks and start the bucket's all_to_all; (receive buffer, work)."""
-        send = torch.empty(sum(out_splits), dtype=self.dtype, device=self.device)
-        at = 0
-        for b in out:
-            piece = self._local_rows(b)
-            n = piece.numel()
-            send[at:at + n].view(piece.shape).copy_(piece)
-            at += n
+        send = torch.empty(sum(views.out_splits), dtype=self.dtype, device=self.device)
+        copy_all(split_like(send, views.out_src), views.out_src)
         if not self.dist:
             return send, None
-        recv = torch.empty(sum(in_splits), dtype=self.dtype, device=self.device)
-        return recv, dist.all_to_all_single(recv, send, in_splits, out_splits, async_op=True)
+        recv = torch.empty(sum(views.in_splits), dtype=self.dtype, device=self.device)
+        return recv, dist.all_to_all_single(recv, send, views.in_splits, views.out_splits, async_op=True)
 
-    def _receive(self, inc: list[Block], recv: torch.Tensor, work: Any) -> None:
+    def _receive(self, views: BucketViews, recv: torch.Tensor, work: Any) -> None:
         """Wait for a bucket's all_to_all and copy each received block into its place."""
         if work is not None:
             work.wait()
-        at = 0
-        for b in inc:
-            n = b.numel(self.source[b.name].shape)
-            self._place(b, recv[at:at + n])
-            at += n
+        copy_all(views.inc_dst, split_like(recv, views.inc_dst))
 
-    def _place(self, b: Block, data: torch.Tensor) -> None:
-        """Block `b`'s rows (and columns), in `data`, into their place in the rollout's parameter."""
-        rows = self.target[b.target].narrow(0, b.row, b.rows[1] - b.rows[0])
-        rows.copy_(data.view(rows.shape))
+    def _target_rows(self, b: Block) -> torch.Tensor:
+        """Where block `b` lands: its rows of the rollout's parameter."""
+        return self.target[b.target].narrow(0, b.row, b.rows[1] - b.rows[0])
 
-    def _local_rows(self, b: Block) -> torch.Tensor:
+    def _source_rows(self, b: Block) -> torch.Tensor:
         """This rank's rows (and columns) of block `b`, a view of its shard."""
         p = self.source[b.name]
-        local, lo = (p.to_local(), owned_rows(p.shape[0], self.world, self.rank)[0]) if isinstance(p, DTensor) \
-            else (p.detach(), 0)
-        piece = local[b.rows[0] - lo:b.rows[1] - lo]
+        lo = owned_rows(p.shape[0], self.world, self.rank)[0] if isinstance(p, DTensor) else 0
+        piece = local(p)[b.rows[0] - lo:b.rows[1] - lo]
         return piece[:, b.cols[0]:b.cols[1]] if b.cols else piece
 
     def _splits(self, blocks: list[Block], key: str) -> list[int]:
@@ -198,6 +207,36 @@ class Resharder:
         for b in blocks:
             sizes[getattr(b, key)] += b.numel(self.source[b.name].shape)
         return sizes
+
+
+@dataclass
+class BucketViews:
+    """One bucket's work on this rank, as views: what it sends (in send order), where what it
+    receives lands (in receive order), where its own rows land and where they come from, and the
+    element counts per peer of its all_to_all."""
+    out_src: list[torch.Tensor]
+    inc_dst: list[torch.Tensor]
+    own_dst: list[torch.Tensor]
+    own_src: list[torch.Tensor]
+    out_splits: list[int]
+    in_splits: list[int]
+
+
+def local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: its FSDP2 shard, or the whole tensor."""
+    return p.to_local() if isinstance(p, DTensor) else p.detach()
+
+
+def split_like(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` cut into consecutive views shaped as the tensors of `like`."""
+    parts = flat.split([t.numel() for t in like])
+    return [part.view(t.shape) for part, t in zip(parts, like)]
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i] = src[i] (cast to dst's dtype), in one batched call."""
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def weight_sync(trainer: torch.nn.Module, rollout: Any) -> Callable[[], None]:

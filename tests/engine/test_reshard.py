@@ -33,6 +33,26 @@ def test_one_process_sync_equals_loading_full_tensors(model_dir):
         assert torch.equal(got, ref), name
 
 
+def test_sync_follows_tensors_that_moved_since_the_last_one(model_dir):
+    """A switch reuses its views of the shards and the rollout's parameters, until one moves (a
+    new storage behind a trainer parameter or a rollout one): then the sync must still land the
+    trainer's current values in the rollout's current tensors."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    rollout = NativeCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    resharder = Resharder(hf, rollout)
+    resharder.sync()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.data = torch.randn_like(p)  # new values in new storage
+        for p in rollout.parameters():
+            p.data = torch.full_like(p, float("nan"))
+    resharder.sync()
+    want = NativeCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    want.load_weights(hf.named_parameters())
+    for (name, got), ref in zip(rollout.named_parameters(), want.parameters()):
+        assert torch.equal(got, ref), name
+
+
 def _worker(rank: int, port: int, model_dir: str, tp_size: int, out: str, device: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
