@@ -113,7 +113,8 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 
 def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: Tracker) -> str:
     """`warmstart.steps` SFT steps on one worker; returns the HF directory `<output_dir>/warmstart`,
-    reused when it is already there. Logs `warmstart/{loss,grad_norm,lr}` every 10 steps."""
+    reused when it is already there. Logs `warmstart/{loss,grad_norm,lr}` every 10 steps and prints
+    the loss at every tenth of the run."""
     w, target = cfg.warmstart, Path(cfg.trainer.output_dir) / "warmstart"
     if (target / "config.json").is_file():
         print(f"warm-start: reusing {target}")
@@ -132,6 +133,8 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
             if step % 10 == 0 or step == w.steps - 1:
                 tracker.log_metrics({f"warmstart/{k[4:]}": v for k, v in metrics.items() if k.startswith("sft/")},
                                     step=step)
+            if (step + 1) % max(1, w.steps // 10) == 0:  # ten lines a warm start: a long one shows it moves
+                print(f"warm-start: step {step + 1}/{w.steps}, loss {metrics['sft/loss']:.4f}", flush=True)
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         stages.actors("export", str(tmp))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -273,7 +274,8 @@ ONE_TINY_STEP = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.m
 
 @pytest.mark.parametrize("conf", sorted(ALGORITHMS))
 def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
-    rlflow(tmp_path, "out", *ONE_TINY_STEP, conf=conf)
+    proc = rlflow(tmp_path, "out", *ONE_TINY_STEP, conf=conf)
+    assert re.findall(r"^warm-start: step (\d+)/3, loss [\d.]+$", proc.stdout, re.M) == ["1", "2", "3"]
     client, run = only_run(tmp_path)
     assert run.info.status == "FINISHED"
     metrics = {k: dict(v) for k, v in history(client, run.info.run_id).items()}
