@@ -348,7 +348,9 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
         while step < t.total_steps:
             try:
                 if t.val_every and step % t.val_every == 0:  # before `begin`: not part of the step's throughput
-                    tracker.log_metrics(validate(live.stages, val_prompts, step, t.val_samples), step=step)
+                    scores = validate(live.stages, val_prompts, step, t.val_samples)
+                    tracker.log_metrics(scores, step=step)
+                    bar.write(f"validation at step {step}: greedy score {scores['val/greedy_score']:.4f}")
                 begin = time.perf_counter()
                 # Driver-side: dynamic sampling, when on, generates and filters here.
                 inputs, driver_metrics = step_inputs(live.stages, loader, step, cfg.algorithm.dynamic_sampling_tries,
@@ -378,6 +380,7 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
             bar.update(metrics)
         final = validate(live.stages, val_prompts, t.total_steps, t.val_samples)
         tracker.log_metrics(final, step=t.total_steps)
+        bar.write(f"validation at step {t.total_steps}: greedy score {final['val/greedy_score']:.4f}")
         bar.close(final)
         ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
         if t.log_checkpoint:
@@ -407,6 +410,13 @@ class progress:
         from tqdm import tqdm
 
         self.bar = tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
+
+    def write(self, line: str) -> None:
+        """A line above the bar (printed as is when the bar is off)."""
+        if self.bar.disable:
+            print(line, flush=True)
+        else:
+            self.bar.write(line)
 
     def update(self, m: dict[str, float]) -> None:
         self.bar.set_postfix(reward=f"{m['critic/score/mean']:.3f}", tok_s=f"{m['perf/throughput']:.0f}")
