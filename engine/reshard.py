@@ -17,12 +17,14 @@ order on every rank:
     copy each received block into its place in the rollout's parameters
 
 Rows a rank needs from its own shard skip the buffers: they are copied into place while the
-bucket's collective runs. The blocks are bound to views of the tensors they read and write once,
-and again only when one of those tensors moved, so a switch is a few batched copies per bucket
-(`torch._foreach_copy_`), not a few tensor ops per block on the host. A bucket's copies wait for its collective while the next bucket packs
-and starts its own, so packing overlaps communication. No rank ever holds more than two buckets beyond its own shard
-and its own rollout piece. With
-t = 1 every rank needs every weight, and the all_to_all moves what an all-gather would (the floor).
+bucket's collective runs. A bucket's copies wait for its collective while the next bucket packs
+and starts its own, so packing overlaps communication. No rank ever holds more than two buckets
+beyond its own shard and its own rollout piece. With t = 1 every rank needs every weight, and the
+all_to_all moves what an all-gather would (the floor).
+
+The blocks are bound to views of the tensors they read and write once, and again only when one
+of those tensors moved, so a switch is a few batched copies per bucket (`torch._foreach_copy_`),
+not a few tensor ops per block on the host.
 
 Invariant: after `sync`, the rollout's parameters equal bit for bit what `load_weights` of the
 full tensors writes (the same cast, the same cuts).
