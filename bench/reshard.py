@@ -144,7 +144,7 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
         link, bw = "all-to-all", alltoall_gbps(resharder.bytes_received, device)
         floor = resharder.bytes_from_peers / 1e9 / bw
     else:  # one GPU: read the fp32 master (2x the bf16 bytes) and write the bf16 copy, at copy speed
-        link, bw = "copy", copy_tbps() * 1e3
+        link, bw = "copy", copy_tbps(device) * 1e3
         floor = 3 * resharder.bytes_received / 1e9 / bw
     offload_bytes = sum(t.numel() * t.element_size() for t in engine._optimizer_tensors()) if args.offload else 0
     offload_floor = offload_bytes / 1e9 / host_gbps(offload_bytes, device)

@@ -43,10 +43,10 @@ def timed(fn: Callable[[], object], device: str | torch.device) -> float:
     return float(t.item())
 
 
-def copy_tbps() -> float:
-    """This GPU's memory bandwidth in TB/s: bytes read + written per second by a 1 GiB device copy
+def copy_tbps(device: str = "cuda") -> float:
+    """This device's memory bandwidth in TB/s: bytes read + written per second by a 1 GiB copy
     (median of 5)."""
-    src = torch.empty(2**29, dtype=torch.bfloat16, device="cuda")
+    src = torch.empty(2**29, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
