@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from shapes import QWEN25, copy_tbps, free_port, model_dir, timed  # bench/shapes.py: bench/ is sys.path[0] here
+from shapes import QWEN25, copy_tbps, free_port, model_dir, profile, timed  # bench/shapes.py, on sys.path
 
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=4096, tie_word_embeddings=True)
@@ -139,7 +139,8 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
         up.append(timed(to_training, device))
     reshard_only = statistics.median(timed(resharder.sync, device) for _ in range(args.repeats))
     if args.profile:
-        profile_sync(resharder, device, rank)
+        dist.barrier()
+        profile(resharder.sync, rank)
     if world > 1:  # the bytes that must cross a link, at the measured all-to-all rate
         link, bw = "all-to-all", alltoall_gbps(resharder.bytes_received, device)
         floor = resharder.bytes_from_peers / 1e9 / bw
@@ -164,21 +165,6 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
               f"       reload baseline (full state dict -> fresh engine, graphs captured) {baseline * 1e3:.0f} ms "
               f"= {baseline / reshard_only:.0f}x the reshard, {baseline / d:.1f}x train->gen; "
               f"peak {train_peak:.1f} GiB train, {peak:.1f} GiB switch+gen", flush=True)
-
-
-def profile_sync(resharder: Any, device: str, rank: int) -> None:
-    """One more reshard under torch.profiler; rank 0 prints where its host and device time went."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device == "cuda"
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        resharder.sync()
-        if cuda:
-            torch.cuda.synchronize()
-    if rank == 0:
-        key = "device_time_total" if cuda else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: str) -> None:

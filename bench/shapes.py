@@ -87,3 +87,19 @@ def model_dir(name: str, shape: dict, cache: Path) -> Path:
     del model
     torch.cuda.empty_cache()
     return path
+
+
+def profile(run: Callable[[], object], rank: int) -> None:
+    """`run` once more under torch.profiler; rank 0 prints the ops that took the most device time
+    (host time on CPU)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cuda = torch.cuda.is_available()
+    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        run()
+        if cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "device_time_total" if cuda else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from shapes import QWEN25, free_port, model_dir, timed  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from shapes import QWEN25, free_port, model_dir, profile, timed  # bench/shapes.py: bench/ is sys.path[0] here
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import algos
@@ -150,8 +150,9 @@ def throughput(rank: int, world: int, args, path: str, device: torch.device) -> 
     if rank == 0:
         print(f"  {world} rank(s) x {args.seqs} seqs: {tokens:.0f} real tokens ({tokens / padded:.0%} of the "
               f"padded rows), budget {args.budget} tokens per micro-batch", flush=True)
-    engine = TrainEngine(path, 1e-6, 0.0, 1.0, 0, 1000, "constant", dtype, str(device),
-                         checkpointing=args.checkpointing, compile_layers=args.compile)
+    make_engine = partial(TrainEngine, path, 1e-6, 0.0, 1.0, 0, 1000, "constant", dtype, str(device),
+                          checkpointing=args.checkpointing, compile_layers=args.compile)
+    engine = make_engine()
     methods: dict[str, Callable[[], object]] = {
         "packed": partial(rlflow_step, engine, b, args.budget, True),
         "padded": partial(rlflow_step, engine, b, args.budget, False)}
@@ -165,8 +166,7 @@ def throughput(rank: int, world: int, args, path: str, device: torch.device) -> 
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if args.group > 1:  # the same rows, each group's prompt computed once: an engine with that attention
-        shared = TrainEngine(path, 1e-6, 0.0, 1.0, 0, 1000, "constant", dtype, str(device),
-                             checkpointing=args.checkpointing, compile_layers=args.compile, share_prompts=True)
+        shared = make_engine(share_prompts=True)
         rates["shared"] = report("shared", partial(rlflow_step, shared, b, args.budget, True, args.group), tokens,
                                  flops, world, args, device, rank)
         del shared
@@ -197,21 +197,6 @@ def report(name: str, run: Callable[[], object], tokens: float, flops: float, wo
         print(f"  {name:7s} {seconds:8.3f} s/step  {tokens / seconds:10.0f} tok/s "
               f"({tokens / seconds / world:.0f} per GPU){mfu}, peak {peak:.1f} GiB", flush=True)
     return tokens / seconds
-
-
-def profile(run: Callable[[], object], rank: int) -> None:
-    """One more packed step under torch.profiler: the kernels that took the most device time."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    cuda = torch.cuda.is_available()
-    with torch_profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
-        run()
-        if cuda:
-            torch.cuda.synchronize()
-    if rank == 0:
-        key = "device_time_total" if cuda else "cpu_time_total"
-        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70), flush=True)
 
 
 def longest(rank: int, world: int, args, path: str, device: torch.device) -> None:

@@ -344,13 +344,19 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     live = Workers(cfg, model_path, last_ckpt, loader)
     step, restarts = live.start, 0
     bar = progress(t.progress, step, t.total_steps)
+
+    def validated(at: int) -> dict[str, float]:
+        """Held-out scores at step `at`, logged and their greedy score printed."""
+        scores = validate(live.stages, val_prompts, at, t.val_samples)
+        tracker.log_metrics(scores, step=at)
+        bar.write(f"validation at step {at}: greedy score {scores['val/greedy_score']:.4f}")
+        return scores
+
     try:
         while step < t.total_steps:
             try:
                 if t.val_every and step % t.val_every == 0:  # before `begin`: not part of the step's throughput
-                    scores = validate(live.stages, val_prompts, step, t.val_samples)
-                    tracker.log_metrics(scores, step=step)
-                    bar.write(f"validation at step {step}: greedy score {scores['val/greedy_score']:.4f}")
+                    validated(step)
                 begin = time.perf_counter()
                 # Driver-side: dynamic sampling, when on, generates and filters here.
                 inputs, driver_metrics = step_inputs(live.stages, loader, step, cfg.algorithm.dynamic_sampling_tries,
@@ -378,10 +384,7 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
             if t.save_every and step % t.save_every == 0 and step < t.total_steps:
                 last_ckpt = save(live.stages, root, step, loader, tracker.run_id, t.keep_last)
             bar.update(metrics)
-        final = validate(live.stages, val_prompts, t.total_steps, t.val_samples)
-        tracker.log_metrics(final, step=t.total_steps)
-        bar.write(f"validation at step {t.total_steps}: greedy score {final['val/greedy_score']:.4f}")
-        bar.close(final)
+        bar.close(validated(t.total_steps))
         ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
         if t.log_checkpoint:
             tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
