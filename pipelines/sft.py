@@ -114,7 +114,7 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: Tracker) -> str:
     """`warmstart.steps` SFT steps on one worker; returns the HF directory `<output_dir>/warmstart`,
     reused when it is already there. Logs `warmstart/{loss,grad_norm,lr}` every 10 steps and prints
-    the loss at every tenth of the run."""
+    the loss and the mean step time at every tenth of the run."""
     w, target = cfg.warmstart, Path(cfg.trainer.output_dir) / "warmstart"
     if (target / "config.json").is_file():
         print(f"warm-start: reusing {target}")
@@ -128,13 +128,17 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
     release: Callable = lambda: None  # noqa: E731
     try:
         run_step, release = make_runner(ws_cfg, stages, step_graph)
+        every, since = max(1, w.steps // 10), time.perf_counter()  # ten lines a warm start: a long one shows it moves
         for step in range(w.steps):
             metrics = sft_step(run_step, rng.sample(examples, w.batch_size), 1)
             if step % 10 == 0 or step == w.steps - 1:
                 tracker.log_metrics({f"warmstart/{k[4:]}": v for k, v in metrics.items() if k.startswith("sft/")},
                                     step=step)
-            if (step + 1) % max(1, w.steps // 10) == 0:  # ten lines a warm start: a long one shows it moves
-                print(f"warm-start: step {step + 1}/{w.steps}, loss {metrics['sft/loss']:.4f}", flush=True)
+            if (step + 1) % every == 0:
+                now = time.perf_counter()
+                print(f"warm-start: step {step + 1}/{w.steps}, loss {metrics['sft/loss']:.4f}, "
+                      f"{(now - since) / every:.3f} s a step", flush=True)
+                since = now
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         stages.actors("export", str(tmp))

@@ -275,7 +275,7 @@ ONE_TINY_STEP = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.m
 @pytest.mark.parametrize("conf", sorted(ALGORITHMS))
 def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
     proc = rlflow(tmp_path, "out", *ONE_TINY_STEP, conf=conf)
-    assert re.findall(r"^warm-start: step (\d+)/3, loss [\d.]+$", proc.stdout, re.M) == ["1", "2", "3"]
+    assert re.findall(r"^warm-start: step (\d+)/3, loss [\d.]+, [\d.]+ s a step$", proc.stdout, re.M) == ["1", "2", "3"]
     assert re.search(r"^validation at step 1: greedy score [\d.]+$", proc.stdout, re.M), proc.stdout[-2000:]
     client, run = only_run(tmp_path)
     assert run.info.status == "FINISHED"
