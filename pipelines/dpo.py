@@ -93,9 +93,8 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
     """The DPO loop; returns the exported HF directory of the final policy."""
     t, workers = cfg.trainer, cfg.placement.workers
-    # DPO never generates: the hf engine is the cheapest to keep (a plain copy: no KV cache, no vLLM),
-    # and the reference scores at temperature 1, the models' own distributions
-    cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0, backend="hf"))
+    # the reference scores at temperature 1, the models' own distributions
+    cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0))
     train_pairs, counts, pad_id = load(cfg, model_path, files["train"])
     val_pairs, _, _ = load(cfg, model_path, files["val"])
     val_pairs = val_pairs[:cfg.data.val_max_prompts or None]

@@ -27,7 +27,8 @@ from stages.worker import StageWorker
 
 class Stages:
     """The policy (actor) and, if asked, the frozen reference, colocated unless `placement.own_pool`
-    has reference."""
+    has reference. For the pipelines that never sample (SFT, DPO, the warm start): the actors build
+    no rollout engine."""
 
     def __init__(self, cfg: Config, model_path: str, reference: bool) -> None:
         p = cfg.placement
@@ -38,7 +39,8 @@ class Stages:
         self.pools = {name: Pool(name, StageWorker, p.workers, p.gpus_per_worker, p.torch_threads)
                       for name in dict.fromkeys(self.roles.values())}
         self.pools["hybrid"].add("actor", ActorRollout, lambda r: dict(cfg=cfg, model_path=model_path, rank=r,
-                                                                      world=p.workers, device=device))
+                                                                      world=p.workers, device=device,
+                                                                      generates=False))
         if reference:
             self.pools[self.roles["reference"]].add("reference", Reference,
                                                     lambda r: dict(cfg=cfg, model_path=model_path, device=device))

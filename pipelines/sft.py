@@ -83,10 +83,8 @@ def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Example],
 
 
 def sft_config(cfg: Config) -> Config:
-    # one optimizer step per step (so the lr schedule spans trainer.total_steps); SFT never
-    # generates: the hf engine is the cheapest to keep (a plain copy: no KV cache, no vLLM)
-    return replace(cfg, actor=replace(cfg.actor, mini_batch_prompts=cfg.data.prompts_per_step, ppo_epochs=1),
-                   rollout=replace(cfg.rollout, backend="hf", tp=1))
+    # one optimizer step per step (so the lr schedule spans trainer.total_steps)
+    return replace(cfg, actor=replace(cfg.actor, mini_batch_prompts=cfg.data.prompts_per_step, ppo_epochs=1))
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:

@@ -61,7 +61,7 @@ from stages.rollout import Rollout, peak_memory, right_pad
 
 class ActorRollout:
     def __init__(self, cfg: Config, model_path: str, rank: int = 0, world: int = 1,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", generates: bool = True) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         a = cfg.actor
@@ -70,8 +70,10 @@ class ActorRollout:
                                   rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing,
                                   sp=a.sp, compile_layers=a.compile_layers, share_prompts=a.share_prompts)
-        # Split placement: the rollout pool generates; this process keeps no engine (nor its memory).
-        self.rollout = None if "rollout" in cfg.placement.own_pool else Rollout(cfg, model_path, rank, world, device)
+        # No engine (nor its memory, nor a weight sync per update) where this process never generates:
+        # split placement (the rollout pool generates) and the pipelines without sampling (SFT, DPO).
+        own = generates and "rollout" not in cfg.placement.own_pool
+        self.rollout = Rollout(cfg, model_path, rank, world, device) if own else None
         self.sync_rollout = (lambda: None) if self.rollout is None else \
             weight_sync(self.engine.model, self.rollout.engine)  # collective: every rank calls it
         self.weight_version = 0
@@ -86,7 +88,7 @@ class ActorRollout:
         start = time.perf_counter()
         self._to_generation()
         switched = time.perf_counter()
-        assert self.rollout is not None, "split placement: the rollout pool generates"
+        assert self.rollout is not None, "no rollout engine here: split placement, or a pipeline that never samples"
         batch = self.rollout.generate(request)
         batch.timing["gen"] = time.perf_counter() - switched
         batch.timing["switch"] = switched - start

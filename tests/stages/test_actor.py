@@ -96,7 +96,8 @@ def test_remax_baseline_is_the_scored_greedy_answer(model_dir, data_files, tmp_p
 
 def test_sft_update_lowers_the_loss(model_dir):
     cfg = load_config(None, [])
-    actor = ActorRollout(cfg, str(model_dir))
+    actor = ActorRollout(cfg, str(model_dir), generates=False)  # as SFT, DPO and the warm start build it
+    assert actor.rollout is None  # no second copy of the policy, nor its sync after every step
     tok = actor.tokenizer
     pairs = [(tok.encode(f"{a}+{a}="), tok.encode(str(2 * a)) + [tok.eos_token_id]) for a in range(16)]
     evals, losses = [], []
