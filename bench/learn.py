@@ -11,6 +11,11 @@ FSDP2 over `--gpus` ranks, native generation with TP `--tp`), and prints from ML
 greedy accuracy at every validation, the median step time with its generation and update parts,
 tokens/s/GPU, and the peak memory per phase. bf16 on GPUs, fp32 on CPU. The run's directory (log,
 MLflow store, checkpoints) is `--work`.
+
+The learning rates are not the embedded default's, which suit its 128-wide model: on the CPU at
+hidden 256 x 4 layers, a 1e-3 warm start plateaued (8.6% after 900 steps, 59.8% at 3e-4), and one
+GRPO step at 2e-4 took that 59.8% to 1.6%; 20 steps at 1e-4 reached 77.0%, at 5e-5 90.6%. The
+defaults halve the better of each for twice the width.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--gpus", type=int, default=1, help="data-parallel ranks, one GPU each; 0 = one CPU rank")
     ap.add_argument("--tp", type=int, default=1, help="generation tensor-parallel size")
-    ap.add_argument("--warmstart", type=int, default=1800, help="supervised steps before RL")
+    ap.add_argument("--warmstart", type=int, default=900, help="supervised steps before RL")
+    ap.add_argument("--warmstart-lr", type=float, default=1.5e-4, help="the warm start's learning rate")
     ap.add_argument("--steps", type=int, default=100, help="RL steps")
+    ap.add_argument("--lr", type=float, default=2.5e-5, help="GRPO's learning rate")
     ap.add_argument("--val-every", type=int, default=10)
     ap.add_argument("--work", default=None, help="run directory (default: a new temporary one)")
     ap.add_argument("overrides", nargs="*", help="more key=value config overrides")
@@ -45,7 +52,8 @@ def main() -> None:
     cmd = [sys.executable, "-m", "pipelines.cli", "train", f"model.path={model}", f"model.dtype={dtype}",
            f"rollout.dtype={dtype}", f"placement.workers={max(1, args.gpus)}",
            f"placement.gpus_per_worker={1 if cuda else 0}", f"rollout.tp={args.tp}",
-           f"warmstart.steps={args.warmstart}", f"trainer.total_steps={args.steps}",
+           f"warmstart.steps={args.warmstart}", f"warmstart.lr={args.warmstart_lr}", f"actor.lr={args.lr}",
+           f"trainer.total_steps={args.steps}",
            f"trainer.val_every={args.val_every}", f"trainer.output_dir={work / 'out'}", "trainer.progress=false",
            *args.overrides]
     uri = tracking_uri(work)
