@@ -19,7 +19,8 @@ groups of t ranks) with a KV cache for `--slots` x `--max-len` tokens. Per TP si
   fp32 master read plus the bf16 copy written, at the device copy bandwidth measured alike;
 - switch floor: that plus the optimizer state over the device -> pinned host bandwidth measured alike;
 - whether the decode CUDA graphs survived each switch (they do when the KV cache returns to the
-  same address; otherwise train -> generate includes recapturing them, with a 2-token generate);
+  same address, as it does on CUDA; otherwise train -> generate includes recapturing them, with a
+  2-token generate);
 - reload baseline: the full state dict gathered, then a fresh NativeRollout built from it, made
   ready to generate (its decode graphs captured); in memory, the favourable case for the
   baseline: nothing goes through a disk.
@@ -49,7 +50,10 @@ SHAPES = {**QWEN25, "tiny": TINY, "deep": dict(TINY, num_hidden_layers=28)}
 
 
 def peak_gb(device: str) -> float:
-    return torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
+    """torch's peak, plus the KV cache now mapped outside torch's allocator (engine/vmm.py)."""
+    from engine import vmm
+
+    return (torch.cuda.max_memory_allocated() + vmm.mapped_bytes()) / 2**30 if device == "cuda" else 0.0
 
 
 def alltoall_gbps(nbytes: int, device: str) -> float:

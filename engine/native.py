@@ -25,8 +25,10 @@ Invariants (those of engine/rollout.py, plus):
 - with tensor parallelism (`model.tp`), every rank of the TP group must call `generate` with the
   same prompts and params: logits are identical on every rank (the all-reduce's result is), so
   sampling and scheduling stay in lockstep, and `max_slots` is agreed on (the minimum);
-- `release_memory` drops the KV cache tensors (and the graphs that point into them); `generate`
-  refuses to run until `resume_memory`.
+- `release_memory` gives the KV cache's memory back; `generate` refuses to run until
+  `resume_memory`. On CUDA the cache returns at the same addresses (engine/vmm.py), so the
+  decode graphs that point into it are kept; if it ever returned elsewhere they would be dropped
+  and captured again on use.
 
 Run: the tests in tests/engine/test_native.py (CPU, fp32, the tiny embedded model).
 """
@@ -403,8 +405,8 @@ class NativeRollout:
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        """Allocate the KV cache again; the decode graphs point into it, so they are kept only if it
-        came back at the same address (else recaptured on first use)."""
+        """Allocate the KV cache again, zeroed; the decode graphs point into it, so they are kept
+        only if it came back at the same address (on CUDA it does; else recaptured on first use)."""
         self.cache.allocate()
         assert self.cache.k is not None and self.cache.v is not None
         if self.graphs and (self.cache.k.data_ptr(), self.cache.v.data_ptr()) != self._cache_at:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
+from engine.vmm import StableBuffer
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 # HF name piece -> (fused module name, shard id)
@@ -234,7 +235,10 @@ class AttnContext:
 class KVCache:
     """K and V as [layers, slots, kv_heads, max_len, head_dim]; a running sequence owns a slot.
 
-    Head-major per slot, so decode attends over `k[layer, :B, :, :W]`, a view: no gather."""
+    Head-major per slot, so decode attends over `k[layer, :B, :, :W]`, a view: no gather.
+    `free` and `allocate` give the memory back and take it again, zeroed. On CUDA it lives in a
+    `StableBuffer` (engine/vmm.py): it comes back at the same addresses, so the decode graphs
+    that point into it stay valid. Elsewhere it is freed and allocated through torch."""
 
     def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -242,15 +246,27 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.buffer: StableBuffer | None = None
+        if device.type == "cuda":
+            self.buffer = StableBuffer(2 * torch.Size(self.shape).numel() * dtype.itemsize, device)
         self.allocate()
 
     def allocate(self) -> None:
-        if self.k is None:
+        if self.k is not None:
+            return
+        if self.buffer is None:
             self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
             self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            return
+        self.buffer.restore()
+        half = torch.Size(self.shape).numel() * self.dtype.itemsize
+        self.k = self.buffer.view(self.dtype, self.shape).zero_()
+        self.v = self.buffer.view(self.dtype, self.shape, half).zero_()
 
     def free(self) -> None:
         self.k = self.v = None
+        if self.buffer is not None:
+            self.buffer.release()
 
 
 def head_dim(cfg: Any) -> int:

@@ -28,6 +28,7 @@ from dataclasses import replace
 import torch
 from transformers import AutoTokenizer
 
+from engine import vmm
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
 from engine.native_model import TP
@@ -44,9 +45,12 @@ def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype)
 
 
 def peak_memory(phase: str, metrics: dict[str, float]) -> None:
-    """`perf/max_memory_allocated_gb/<phase>`: this process's CUDA peak since the last phase ended."""
+    """`perf/max_memory_allocated_gb/<phase>`: this process's CUDA peak since the last phase ended,
+    plus what it holds outside torch's allocator at the phase's end (the KV cache, engine/vmm.py;
+    a phase takes it or gives it back at its start)."""
     if torch.cuda.is_available():
-        metrics[f"perf/max_memory_allocated_gb/{phase}"] = torch.cuda.max_memory_allocated() / 2**30
+        held = torch.cuda.max_memory_allocated() + vmm.mapped_bytes()
+        metrics[f"perf/max_memory_allocated_gb/{phase}"] = held / 2**30
         torch.cuda.reset_peak_memory_stats()
 
 

@@ -66,21 +66,27 @@ def test_sampled_logprobs_match_training_forward(model_dir, dtype, tol):
     assert diffs.mean() < tol
 
 
-def test_release_resume_keeps_or_recaptures_graphs(model_dir):
-    """The decode graphs survive a release only when the cache comes back at the same address."""
+def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
+    """Releasing the KV cache frees its device memory for others (here: tensors allocated in
+    between); resuming maps it again at the same addresses, so the captured decode graphs are
+    replayed as they are and give the same tokens."""
     tok, _, graphs, _ = engines(model_dir, torch.float32)
     prompts = [tok.encode(t) for t in TEXTS[:5]]
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = graphs.generate(prompts, params)
-    graphs.release_memory()
-    assert graphs.cache.k is None
-    graphs.resume_memory()
-    assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
-    for _ in range(2):  # the second time with other tensors in the way, so the cache may move
+    captured = dict(graphs.graphs)
+    at = (graphs.cache.k.data_ptr(), graphs.cache.v.data_ptr())
+    for _ in range(2):
+        free = torch.cuda.mem_get_info()[0]
         graphs.release_memory()
+        assert graphs.cache.k is None
+        assert torch.cuda.mem_get_info()[0] - free >= graphs.cache.buffer.nbytes
+        with pytest.raises(RuntimeError, match="resume_memory"):
+            graphs.generate(prompts, params)
         hold = [torch.empty(graphs.cache.shape, dtype=graphs.cache.dtype, device="cuda") for _ in range(2)]
         graphs.resume_memory()
-        same = (graphs.cache.k.data_ptr(), graphs.cache.v.data_ptr()) == graphs._cache_at
-        assert bool(graphs.graphs) == same  # kept in place, else dropped and recaptured on use
+        assert (graphs.cache.k.data_ptr(), graphs.cache.v.data_ptr()) == at
+        assert not graphs.cache.k.any() and not graphs.cache.v.any()  # zeroed, as a fresh cache
         assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
+        assert all(graphs.graphs[key] is graph for key, graph in captured.items())  # replayed, not recaptured
         del hold
