@@ -12,8 +12,10 @@ state made by one training step) and `engine.native.NativeRollout` (bf16, tensor
 groups of t ranks) with a KV cache for `--slots` x `--max-len` tokens. Per TP size, median of
 `--repeats`, each phase timed on every rank between barriers (the max over ranks):
 - train -> generate: gradients freed, optimizer state to pinned CPU (`--offload`), KV cache
-  allocated, weights resharded (`engine.reshard.Resharder.sync`);
-- generate -> train: KV cache freed, optimizer state back;
+  allocated, weights resharded (`engine.reshard.Resharder.sync`) into the rollout's memory,
+  mapped again first (on CUDA);
+- generate -> train: KV cache and the rollout's weights freed, optimizer state back (as
+  `rollout.free_cache=true` has the pipeline do);
 - reshard floor: the bytes a rank must receive from other ranks for its generation shard, over
   the all-to-all bandwidth measured in the same run (a buffer of the same size); on one GPU, the
   fp32 master read plus the bf16 copy written, at the device copy bandwidth measured alike;
@@ -104,12 +106,12 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
 
     with torch.device("meta"):
         rollout_model = NativeCausalLM(engine.model.config, tp)
-    rollout_model = rollout_model.to_empty(device=device).to(dtype)
+    rollout_model = rollout_model.materialize(device, dtype)
     rollout = engine_for(rollout_model)
     resharder = Resharder(engine.model, rollout_model)
     resharder.sync()
     rollout.generate([[1, 2, 3]], first)
-    rollout.release_memory()
+    rollout.release_memory(weights=True)
 
     def to_generation() -> None:
         engine.offload() if args.offload else engine.optimizer.zero_grad(set_to_none=True)
@@ -119,7 +121,7 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
             rollout.generate([[1, 2, 3]], first)
 
     def to_training() -> None:
-        rollout.release_memory()
+        rollout.release_memory(weights=True)  # the next switch writes them all
         engine.onload()
 
     def reload() -> None:
@@ -128,7 +130,7 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
         full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True))
         with torch.device("meta"):
             fresh = NativeCausalLM(engine.model.config, tp)
-        fresh = fresh.to_empty(device=device).to(dtype)
+        fresh = fresh.materialize(device, dtype)
         fresh.load_weights(full.items())
         engine_for(fresh).generate([[1, 2, 3]], first)  # ready to generate at full speed
 
@@ -141,6 +143,8 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
         kept += bool(before) and next(iter(rollout.graphs.values())) is before
         peak = max(peak, peak_gb(device))
         up.append(timed(to_training, device))
+    rollout.resume_memory()
+    resharder.sync()  # the weights' memory mapped again, so what follows times the copies alone
     reshard_only = statistics.median(timed(resharder.sync, device) for _ in range(args.repeats))
     if args.profile:
         dist.barrier()

@@ -25,10 +25,11 @@ Invariants (those of engine/rollout.py, plus):
 - with tensor parallelism (`model.tp`), every rank of the TP group must call `generate` with the
   same prompts and params: logits are identical on every rank (the all-reduce's result is), so
   sampling and scheduling stay in lockstep, and `max_slots` is agreed on (the minimum);
-- `release_memory` gives the KV cache's memory back; `generate` refuses to run until
-  `resume_memory`. On CUDA the cache returns at the same addresses (engine/vmm.py), so the
-  decode graphs that point into it are kept; if it ever returned elsewhere they would be dropped
-  and captured again on use.
+- `release_memory` gives the KV cache's memory back (with `weights=True` the weights' too: on
+  CUDA their values are then lost, and `generate` refuses to run until they are written again);
+  `generate` refuses to run until `resume_memory`. On CUDA both return at the same addresses
+  (engine/vmm.py), so the decode graphs that point into them are kept; if the cache ever
+  returned elsewhere they would be dropped and captured again on use.
 
 Run: the tests in tests/engine/test_native.py (CPU, fp32, the tiny embedded model).
 """
@@ -252,6 +253,9 @@ class NativeRollout:
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if self.cache.k is None:
             raise RuntimeError("KV cache released: call resume_memory() before generate()")
+        if self.model.weights_lost:
+            raise RuntimeError("weights released by release_memory(weights=True): write them (load_weights or a "
+                               "reshard) before generate()")
         longest = max((len(p) for p in prompts), default=0)
         if longest + params.max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) > max_len "
@@ -395,8 +399,11 @@ class NativeRollout:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(named_tensors)
 
-    def release_memory(self) -> None:
-        """Drop the KV cache (training gets the memory back)."""
+    def release_memory(self, weights: bool = False) -> None:
+        """Drop the KV cache and, with `weights`, the weights' memory (on CUDA; their values are
+        then lost until written again), so training gets the memory."""
+        if weights:
+            self.model.release_weights()
         if self.cache.k is None or self.cache.v is None:
             return
         self._cache_at = (self.cache.k.data_ptr(), self.cache.v.data_ptr())

@@ -414,6 +414,39 @@ class NativeCausalLM(nn.Module):
         # inference only: a forward outside inference_mode (graph capture) must not record autograd
         # history, which would keep every captured step's activations alive
         self.requires_grad_(False)
+        self.weights: StableBuffer | None = None  # on CUDA, where `materialize` put every parameter
+        self.weights_lost = False  # released and not written since: `generate` must refuse
+
+    def materialize(self, device: str | torch.device, dtype: torch.dtype) -> NativeCausalLM:
+        """Uninitialised storage for a model built on the meta device. On CUDA every parameter
+        lies in one StableBuffer (engine/vmm.py), so `release_weights` can give the memory back
+        while training runs, and the next write takes it again at the same addresses, which the
+        decode graphs hold."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return self.to_empty(device=device).to(dtype)
+        named = list(self.named_parameters())  # a tied head's weight once
+        sizes = [-(-p.numel() * dtype.itemsize // 512) * 512 for _, p in named]  # each 512-byte aligned
+        self.weights = StableBuffer(sum(sizes), device)
+        at = 0
+        for (name, p), n in zip(named, sizes):  # new Parameters: a meta tensor's storage cannot be swapped
+            owner, _, leaf = name.rpartition(".")
+            setattr(self.get_submodule(owner), leaf, nn.Parameter(self.weights.view(dtype, tuple(p.shape), at),
+                                                                  requires_grad=False))
+            at += n
+        return self
+
+    def release_weights(self) -> None:
+        """Give the parameters' memory back (CUDA; elsewhere nothing happens). Their values are
+        lost until the next `load_weights` or reshard writes them all."""
+        if self.weights is not None:
+            self.weights.release()
+            self.weights_lost = True
+
+    def writing_weights(self) -> None:
+        """A writer of every parameter starts: map their memory again if it was released."""
+        if self.weights is not None:
+            self.weights.restore()
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
@@ -432,7 +465,7 @@ class NativeCausalLM(nn.Module):
             raise FileNotFoundError(f"no *.safetensors in {path}")
         with torch.device("meta"):  # no random init, no full-precision copy on the device
             model = cls(cfg, tp)
-        model = model.to_empty(device=device).to(dtype)
+        model = model.materialize(device, dtype)
         loaded: set[str] = set()
         for f in files:
             with safe_open(str(f), framework="pt") as st:
@@ -449,7 +482,7 @@ class NativeCausalLM(nn.Module):
         weight = next(module.parameters())
         with torch.device("meta"):
             model = cls(module.config, tp)
-        model = model.to_empty(device=weight.device).to(weight.dtype)
+        model = model.materialize(weight.device, weight.dtype)
         missing = set(dict(model.named_parameters())) - model.load_weights(module.named_parameters())
         if missing:
             raise ValueError(f"the module lacks weights for {sorted(missing)}")
@@ -471,6 +504,7 @@ class NativeCausalLM(nn.Module):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy full HF-named tensors in, each cut to this rank's piece by its layer (fused and
         tensor-parallel layers); returns the parameter names written."""
+        self.writing_weights()
         params = dict(self.named_parameters())
         loaded = set()
         with torch.no_grad():
@@ -479,6 +513,7 @@ class NativeCausalLM(nn.Module):
                 if placed is not None:
                     load(params[placed[0]], tensor, placed[1])
                     loaded.add(placed[0])
+        self.weights_lost = False
         return loaded
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,

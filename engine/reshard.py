@@ -106,6 +106,7 @@ class Resharder:
     def __init__(self, trainer: torch.nn.Module, rollout: NativeCausalLM, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.dist = dist.is_available() and dist.is_initialized()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if self.dist else (0, 1)
+        self.rollout = rollout
         self.source = dict(trainer.named_parameters())
         self.target = dict(rollout.named_parameters())
         self.dtype = next(iter(self.target.values())).dtype
@@ -137,7 +138,9 @@ class Resharder:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Every rank, together: the rollout's weights become the trainer's."""
+        """Every rank, together: the rollout's weights become the trainer's (mapped again first
+        if the engine released them, at the addresses the views were bound to)."""
+        self.rollout.writing_weights()
         for target in self.zeros:
             self.target[target].zero_()
         flying = None  # the previous bucket: its copies in wait for its collective, while this one's packs
@@ -149,6 +152,7 @@ class Resharder:
             flying = (views, *sent)
         if flying:
             self._receive(*flying)
+        self.rollout.weights_lost = False
 
     __call__ = sync  # a Resharder is the pipeline's weight sync (`weight_sync`)
 

@@ -51,7 +51,9 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
-    def release_memory(self) -> None: ...
+    # The KV cache's memory, and with `weights` the weights' (an engine may keep them), go back
+    # for training; a caller that passes `weights=True` writes every weight before it generates.
+    def release_memory(self, weights: bool = False) -> None: ...
 
     def resume_memory(self) -> None: ...
 
@@ -139,8 +141,8 @@ class HFRollout:
                 if params[name] is not tensor:  # the trainer's own module needs no copy
                     params[name].copy_(tensor)
 
-    def release_memory(self) -> None:
-        """Nothing to release: `generate` allocates its cache per call."""
+    def release_memory(self, weights: bool = False) -> None:
+        """Nothing to release: `generate` allocates its cache per call, and the weights stay."""
 
     def resume_memory(self) -> None:
         """Nothing to take back: see release_memory."""

@@ -119,7 +119,8 @@ class VLLMRollout:
             head.quant_method.process_weights_after_loading(head)
         self.llm.reset_prefix_cache()
 
-    def release_memory(self) -> None:
+    def release_memory(self, weights: bool = False) -> None:
+        """Sleep level 1 either way: the weights go to host memory and come back on `resume_memory`."""
         if self.can_sleep:
             self._on_thread(self.llm.sleep, 1)
         self.released = True

@@ -4,6 +4,7 @@ and its logprobs against a training forward, in fp32 (exact) and bf16 (reported)
 import pytest
 import torch
 from conftest import trainer_logprobs
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.native import NativeRollout
@@ -90,3 +91,13 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
         assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
         assert all(graphs.graphs[key] is graph for key, graph in captured.items())  # replayed, not recaptured
         del hold
+    # the weights too: their memory goes back, and generate refuses until they are written again
+    free = torch.cuda.mem_get_info()[0]
+    graphs.release_memory(weights=True)
+    assert torch.cuda.mem_get_info()[0] - free >= graphs.cache.buffer.nbytes + graphs.model.weights.nbytes
+    graphs.resume_memory()
+    with pytest.raises(RuntimeError, match="weights released"):
+        graphs.generate(prompts, params)
+    graphs.load_weights((n, t) for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items())
+    assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
+    assert all(graphs.graphs[key] is graph for key, graph in captured.items())

@@ -33,6 +33,28 @@ def test_one_process_sync_equals_loading_full_tensors(model_dir):
         assert torch.equal(got, ref), name
 
 
+@pytest.mark.gpu
+def test_a_sync_writes_weights_released_for_training(model_dir):
+    """On CUDA the rollout's weights can be given back while training runs; the next sync maps
+    them again at the same addresses (the decode graphs hold them) and writes them all."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).cuda()
+    rollout = NativeCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device="cuda")
+    sync = Resharder(hf, rollout)
+    at = [p.data_ptr() for p in rollout.parameters()]
+    free = torch.cuda.mem_get_info()[0]
+    rollout.release_weights()
+    assert rollout.weights_lost and torch.cuda.mem_get_info()[0] - free >= rollout.weights.nbytes
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.mul_(-2)  # an update meanwhile
+    sync.sync()
+    assert not rollout.weights_lost and [p.data_ptr() for p in rollout.parameters()] == at
+    want = NativeCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device="cuda")
+    want.load_weights(hf.named_parameters())
+    for (name, got), ref in zip(rollout.named_parameters(), want.parameters()):
+        assert torch.equal(got, ref), name
+
+
 def test_sync_follows_tensors_that_moved_since_the_last_one(model_dir):
     """A switch reuses its views of the shards and the rollout's parameters, until one moves (a
     new storage behind a trainer parameter or a rollout one): then the sync must still land the
