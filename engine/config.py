@@ -52,7 +52,7 @@ class RolloutConfig:
     stop_strings: list[str] = field(default_factory=list)  # eos always stops
     dtype: str = "float32"
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
-    free_cache: bool = False  # release the KV cache while training (native, CUDA: returns at its address, graphs kept)
+    free_cache: bool = False  # release the rollout's KV cache and weights while training (native: CUDA graphs kept)
     tp: int = 1  # native: tensor-parallel size of generation; groups of tp consecutive workers share their prompts
 
 

@@ -145,7 +145,7 @@ def step_graph(stages: Stages, inputs: list[Any], call: Callable,
         if "critic" in stages.roles:  # before the actor's, so every rank runs their collectives in one order
             batch = at("critic", "update", batch)  # clipped value regression on the GAE returns
         updates.append(at("actor", "update", batch))  # PPO-clip epochs over mini-batches
-    if "rollout" not in stages.roles:  # hybrid: the update already refreshed the actor's own rollout engine
+    if "rollout" not in stages.roles:  # hybrid: the actor's own engine takes the weights when it next generates
         return updates, []
     # Split: every actor rank pushes and every rollout rank pulls the new weights, together, after the update.
     syncs = [call(stages.worker(role, rank).run, role, verb, update)

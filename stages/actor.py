@@ -3,10 +3,12 @@
 Verbs: `generate`, `logprobs`, `advantages`, `update`, `sft_update`, `sft_eval`, `dpo_update`, `dpo_eval`, `save`,
 `load`, `export`.
 The trainer (FSDP2 shards) and the rollout engine (its own layout, on the same device) hold
-separate copies of the weights; after every update `engine.reshard` moves the trainer's into
-the rollout's in place. Every verb but `generate` and `advantages` is collective: every rank of
-the pool calls it together. With `rollout.tp` > 1, `generate` is collective within each
-tensor-parallel group (stages/rollout.py).
+separate copies of the weights; when the trainer's changed (an update, a load), the next
+`generate` first has `engine.reshard` move them into the rollout's in place, after the optimizer
+state and gradients made room (so the engine may release its own memory, KV cache and weights,
+while training). Every verb but `advantages` is collective: every rank of the pool calls it
+together (`generate` only when it syncs; with `rollout.tp` > 1 it always is within each
+tensor-parallel group, stages/rollout.py).
 
 With split placement (`placement.own_pool=[rollout]`) the actor holds no rollout engine: a pool
 of `stages.rollout.Rollout` generates, and `push_weights` (collective over the actor ranks and
@@ -77,7 +79,6 @@ class ActorRollout:
         self.sync_rollout = (lambda: None) if self.rollout is None else \
             weight_sync(self.engine.model, self.rollout.engine)  # collective: every rank calls it
         self.weight_version = 0
-        self.reshard_s = 0.0  # the last weight sync into the rollout engine
         self.link: WeightBroadcast | None = None  # rank 0, split placement: the weight group to the rollout pool
         alg = cfg.algorithm
         self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -85,43 +86,47 @@ class ActorRollout:
 
     # -- rollout ---------------------------------------------------------------------------
     def generate(self, request: RolloutRequest) -> Batch:
+        """Collective when the weights changed since the last call (the rollout engine takes them
+        first); the pipeline has every rank generate, also one without prompts."""
         start = time.perf_counter()
-        self._to_generation()
+        reshard = self._to_generation()
         switched = time.perf_counter()
         assert self.rollout is not None, "no rollout engine here: split placement, or a pipeline that never samples"
         batch = self.rollout.generate(request)
         batch.timing["gen"] = time.perf_counter() - switched
-        batch.timing["switch"] = switched - start
+        batch.timing["switch"] = switched - start - reshard
+        batch.timing["reshard"] = reshard
         return batch
 
-    def _to_generation(self) -> None:
+    def _to_generation(self) -> float:
         """Give generation the memory training holds only between updates: the gradients always
-        (the next step starts from zero), the optimizer state and KV cache per config."""
+        (the next step starts from zero), the optimizer state and the rollout's memory per config.
+        Then the rollout engine takes the trainer's weights if they changed: after that memory
+        moved, so the two never peak together. Returns the weight sync's seconds."""
         self.engine.optimizer.zero_grad(set_to_none=True)
         if self.cfg.actor.offload_optimizer:
             self.engine.offload()
-        if self.cfg.rollout.free_cache and self.rollout:
+        if self.rollout is None:
+            return 0.0
+        if self.cfg.rollout.free_cache:
             self.rollout.engine.resume_memory()
+        if self.rollout.weight_version == self.weight_version:
+            return 0.0
+        start = time.perf_counter()
+        self.sync_rollout()  # collective: every rank generates
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()  # the reshard's copies and collectives are queued work
+        self.rollout.weight_version = self.weight_version
+        return time.perf_counter() - start
 
     def _to_training(self, batch: Batch) -> None:
         """Give training back its memory; the time adds to the batch's `switch`."""
         start = time.perf_counter()
         if self.cfg.rollout.free_cache and self.rollout:
-            self.rollout.engine.release_memory()
+            self.rollout.engine.release_memory(weights=True)
+            self.rollout.weight_version = -1  # what it holds may be gone: the next generate writes them all
         self.engine.onload()
         batch.timing["switch"] = batch.timing.get("switch", 0.0) + time.perf_counter() - start
-
-    def _new_weights(self, version: int) -> None:
-        """The trainer's weights changed (an update, a load) and are now `version`. Hybrid: the
-        rollout engine takes them at once; split: they wait for `push_weights`."""
-        self.weight_version = version
-        start = time.perf_counter()
-        self.sync_rollout()
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize()  # the reshard's copies and collectives are queued work
-        self.reshard_s = time.perf_counter() - start
-        if self.rollout:
-            self.rollout.weight_version = version
 
     # -- split placement -------------------------------------------------------------------
     def weight_plan(self) -> list[tuple[str, list[int]]]:
@@ -209,9 +214,7 @@ class ActorRollout:
         self._to_training(batch)
         warming = batch.step < self.cfg.critic.warmup_steps
         metrics = {} if warming else self._ppo_epochs(batch)
-        # the update's last act, resharding into the generation layout, is the switch's
-        batch.timing["reshard"] = 0.0 if warming else self.reshard_s
-        batch.timing["update_actor"] = time.perf_counter() - start - batch.timing["reshard"]
+        batch.timing["update_actor"] = time.perf_counter() - start
         peak_memory("update_actor", metrics)
         metrics["perf/reshard_gb_from_peers"] = getattr(self.sync_rollout, "bytes_from_peers", 0) / 1e9
         metrics["actor/skipped_steps"] = self.engine.skipped_steps
@@ -246,7 +249,7 @@ class ActorRollout:
                 stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(out["loss"]))
         if self.cfg.algorithm.kl_in_reward:
             self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
-        self._new_weights(self.weight_version + 1)
+        self.weight_version += 1  # the rollout engine takes them when it next generates
         return step_metrics(stats)
 
     def _micro_losses(self, mini: Batch, stats: dict[str, list]) -> list:
@@ -330,7 +333,7 @@ class ActorRollout:
 
         chunks = micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)
         out = self.engine.step(lambda: [partial(loss, r) for r in chunks])
-        self._new_weights(self.weight_version + 1)
+        self.weight_version += 1  # the rollout engine takes them when it next generates
         return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"],
                 "actor/skipped_steps": self.engine.skipped_steps,
                 "actor/consecutive_skipped_steps": self.engine.consecutive_skips}
@@ -364,7 +367,7 @@ class ActorRollout:
         for lo in range(0, len(batch), rows):
             out = self.engine.step(partial(self._dpo_micro_losses, batch.rows(slice(lo, lo + rows)), sums))
             grad_norms.append(out["grad_norm"])
-        self._new_weights(self.weight_version + 1)
+        self.weight_version += 1  # the rollout engine takes them when it next generates
         batch.timing["update_actor"] = time.perf_counter() - start
         metrics = {"dpo/grad_norm": float(np.mean(grad_norms)), "dpo/lr": out["lr"],
                    "actor/skipped_steps": self.engine.skipped_steps,
@@ -448,7 +451,9 @@ class ActorRollout:
                 torch.cuda.set_rng_state_all(rng["cuda"])
             self.kl_ctl.value = rng["kl"]
         # rank 0 always saves; a checkpoint from fewer ranks has no file for this one
-        self._new_weights(int(torch.load(d / "worker_0.pt", weights_only=True).get("weight_version", 0)))
+        self.weight_version = int(torch.load(d / "worker_0.pt", weights_only=True).get("weight_version", 0))
+        if self.rollout:
+            self.rollout.weight_version = -1  # whatever it holds is not the checkpoint's: sync at the next generate
 
     def export(self, directory: str) -> None:
         """A HF directory (safetensors, config, tokenizer) that from_pretrained loads; every rank

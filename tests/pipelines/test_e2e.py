@@ -298,7 +298,8 @@ def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
-def test_vllm_backend_gets_every_update(tmp_path, monkeypatch):
+@pytest.mark.parametrize("free_cache", [False, True])  # released while training, it takes them on waking
+def test_vllm_backend_gets_every_update(tmp_path, monkeypatch, free_cache):
     # the compiled graph calls generate from a thread of its own; with torch's OpenMP preloaded, as
     # vLLM asks on CPU (and leaves set in a process that built an engine), vLLM's attention aborted
     # when that thread was not the one that built the engine
@@ -306,7 +307,7 @@ def test_vllm_backend_gets_every_update(tmp_path, monkeypatch):
     if gomp.exists():
         monkeypatch.setenv("LD_PRELOAD", str(gomp))
     rlflow(tmp_path, "out", "rollout.backend=vllm", "trainer.total_steps=2", "trainer.val_every=0",
-           "trainer.dag=compiled")
+           "trainer.dag=compiled", f"rollout.free_cache={free_cache}")
     client, run = only_run(tmp_path)
     assert run.data.params["rollout.backend"] == "vllm"
     metrics = history(client, run.info.run_id)
