@@ -52,10 +52,9 @@ SHAPES = {**QWEN25, "tiny": TINY, "deep": dict(TINY, num_hidden_layers=28)}
 
 
 def peak_gb(device: str) -> float:
-    """torch's peak, plus the KV cache now mapped outside torch's allocator (engine/vmm.py)."""
     from engine import vmm
 
-    return (torch.cuda.max_memory_allocated() + vmm.mapped_bytes()) / 2**30 if device == "cuda" else 0.0
+    return vmm.peak_bytes() / 2**30 if device == "cuda" else 0.0
 
 
 def alltoall_gbps(nbytes: int, device: str) -> float:

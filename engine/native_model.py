@@ -415,7 +415,6 @@ class NativeCausalLM(nn.Module):
         # history, which would keep every captured step's activations alive
         self.requires_grad_(False)
         self.weights: StableBuffer | None = None  # on CUDA, where `materialize` put every parameter
-        self.weights_lost = False  # released and not written since: `generate` must refuse
 
     def materialize(self, device: str | torch.device, dtype: torch.dtype) -> NativeCausalLM:
         """Uninitialised storage for a model built on the meta device. On CUDA every parameter
@@ -441,7 +440,11 @@ class NativeCausalLM(nn.Module):
         lost until the next `load_weights` or reshard writes them all."""
         if self.weights is not None:
             self.weights.release()
-            self.weights_lost = True
+
+    @property
+    def weights_lost(self) -> bool:
+        """Released and not written since (only a writer maps them again): `generate` must refuse."""
+        return self.weights is not None and not self.weights.mapped
 
     def writing_weights(self) -> None:
         """A writer of every parameter starts: map their memory again if it was released."""
@@ -513,7 +516,6 @@ class NativeCausalLM(nn.Module):
                 if placed is not None:
                     load(params[placed[0]], tensor, placed[1])
                     loaded.add(placed[0])
-        self.weights_lost = False
         return loaded
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,

@@ -152,7 +152,6 @@ class Resharder:
             flying = (views, *sent)
         if flying:
             self._receive(*flying)
-        self.rollout.weights_lost = False
 
     __call__ = sync  # a Resharder is the pipeline's weight sync (`weight_sync`)
 

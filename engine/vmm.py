@@ -14,7 +14,7 @@ Invariants:
   owners check `mapped` first;
 - after `restore` the contents are undefined: an owner that needs zeros writes them;
 - `mapped_bytes()` is what all buffers of this process hold now. PyTorch's allocator statistics
-  do not see this memory, so peak-memory reports add it.
+  do not see this memory, so peak-memory reports use `peak_bytes()`, which adds it.
 
 The CUDA driver's virtual memory calls (cuMemAddressReserve, cuMemCreate, cuMemMap,
 cuMemSetAccess, cuMemUnmap, cuMemRelease), reached through ctypes: PyTorch does not expose them,
@@ -80,6 +80,23 @@ class _Range:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "strides": None, "version": 3}
 
+    def map(self, prop: _Prop) -> None:
+        """New physical memory of `prop` at the range's addresses, readable and writable there."""
+        cuda, at, size = _driver(), ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.nbytes)
+        handle = ctypes.c_uint64()
+        _check(cuda.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(prop), ctypes.c_uint64(0)),
+               "cuMemCreate", self.nbytes)
+        try:
+            _check(cuda.cuMemMap(at, size, ctypes.c_size_t(0), handle, ctypes.c_uint64(0)), "cuMemMap")
+            access = _Access(prop.location, _READ_WRITE)
+            _check(cuda.cuMemSetAccess(at, size, ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
+        except RuntimeError:
+            cuda.cuMemUnmap(at, size)
+            cuda.cuMemRelease(handle)
+            raise
+        self.handle = handle.value
+        _MAPPED[0] += self.nbytes
+
     def unmap(self) -> None:
         if self.handle is None:
             return
@@ -100,6 +117,12 @@ class _Range:
 def mapped_bytes() -> int:
     """Bytes the StableBuffers of this process hold on the device now."""
     return _MAPPED[0]
+
+
+def peak_bytes() -> int:
+    """The CUDA peak a phase reports: PyTorch's allocator peak plus what the StableBuffers (the
+    native engine's KV cache and weights) hold now, which that allocator does not see."""
+    return torch.cuda.max_memory_allocated() + mapped_bytes()
 
 
 class StableBuffer:
@@ -137,20 +160,7 @@ class StableBuffer:
             return
         if torch.cuda.mem_get_info(self.device)[0] < self.nbytes:
             torch.cuda.empty_cache()  # PyTorch's cached blocks are memory the driver cannot give us
-        cuda, at, size = _driver(), ctypes.c_uint64(self._range.ptr), ctypes.c_size_t(self.nbytes)
-        handle = ctypes.c_uint64()
-        _check(cuda.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), ctypes.c_uint64(0)),
-               "cuMemCreate", self.nbytes)
-        try:
-            _check(cuda.cuMemMap(at, size, ctypes.c_size_t(0), handle, ctypes.c_uint64(0)), "cuMemMap")
-            access = _Access(self._prop.location, _READ_WRITE)
-            _check(cuda.cuMemSetAccess(at, size, ctypes.byref(access), ctypes.c_size_t(1)), "cuMemSetAccess")
-        except RuntimeError:
-            cuda.cuMemUnmap(at, size)
-            cuda.cuMemRelease(handle)
-            raise
-        self._range.handle = handle.value
-        _MAPPED[0] += self.nbytes
+        self._range.map(self._prop)
 
     def release(self) -> None:
         """Give the physical memory back to the driver once queued work on it is done (no-op if released)."""

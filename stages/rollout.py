@@ -46,11 +46,10 @@ def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype)
 
 def peak_memory(phase: str, metrics: dict[str, float]) -> None:
     """`perf/max_memory_allocated_gb/<phase>`: this process's CUDA peak since the last phase ended,
-    plus what it holds outside torch's allocator at the phase's end (the KV cache, engine/vmm.py;
-    a phase takes it or gives it back at its start)."""
+    plus what it holds outside torch's allocator at the phase's end (`vmm.peak_bytes`: the native
+    engine's KV cache and weights, which a phase takes or gives back at its start)."""
     if torch.cuda.is_available():
-        held = torch.cuda.max_memory_allocated() + vmm.mapped_bytes()
-        metrics[f"perf/max_memory_allocated_gb/{phase}"] = held / 2**30
+        metrics[f"perf/max_memory_allocated_gb/{phase}"] = vmm.peak_bytes() / 2**30
         torch.cuda.reset_peak_memory_stats()
 
 
