@@ -24,6 +24,7 @@ With `--group` G > 1, each run of G rows has one prompt, and `shared` times the 
 prompt computed once (`actor.share_prompts`); its tokens and FLOPs are still counted per sequence,
 so its MFU is the effective one.
 The header names the attention kernel (flash-attn, PyTorch's varlen, or SDPA with a mask).
+A rank that stalls prints every thread's Python stack on SIGUSR1 (`pkill -USR1 -f spawn_main`).
 
 --longest: one sequence per SP group, `--prompt` min tokens of prompt and the rest response,
 activation checkpointing on; the length doubles from --start until the peak memory
@@ -33,7 +34,9 @@ activation checkpointing on; the length doubles from --start until the peak memo
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import statistics
 import tempfile
 from collections.abc import Callable
@@ -228,6 +231,7 @@ def longest(rank: int, world: int, args, path: str, device: torch.device) -> Non
 
 
 def rank_main(rank: int, world: int, port: int, args, path: str) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `pkill -USR1 -f spawn_main`: where a stalled rank is
     device = torch.device(f"cuda:{rank}" if args.device == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
