@@ -66,7 +66,7 @@ class ActorConfig:
     mini_batch_prompts: int = 16  # prompts per optimizer step
     micro_batch_tokens_per_gpu: int = 4096  # tokens per forward/backward: real ones if packed, else rows x width
     pack_sequences: bool = False  # sequences end to end in one row (pays off on CUDA; on CPU a block mask)
-    share_prompts: bool = False  # RL forwards compute each prompt once for all its samples (CUDA: flex attention; timed on equal-length prompts only)
+    share_prompts: bool = False  # each prompt computed once for its samples (CUDA: flex; timed at equal lengths only)
     ppo_epochs: int = 1
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
