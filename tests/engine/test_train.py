@@ -110,10 +110,14 @@ def test_shared_prompts_match_separate_sequences_values_and_gradients(model_dir,
 
 
 @pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="flex attention compiles (inductor)")
-def test_shared_prompt_block_mask_gives_the_dense_masks_values(model_dir):
+@pytest.mark.parametrize("prompts,responses", [
+    ([4, 7], [5, 2, 9, 4, 1, 6]),  # one partial 128-token block
+    ([40, 70, 33], [30, 25, 41, 17, 50, 22, 35, 28, 19]),  # 410 tokens: three full blocks and a partial one
+], ids=["one-block", "four-blocks"])
+def test_shared_prompt_block_mask_gives_the_dense_masks_values(model_dir, prompts, responses):
     """CUDA's shared-prompt attention (flex, a block mask) computes what the CPU's dense mask does;
     flex attention has no backward on the CPU, so only the forward is compared here."""
-    ids, mask, pos, responses = grouped_batch([4, 7], 3, [5, 2, 9, 4, 1, 6])
+    ids, mask, pos, responses = grouped_batch(prompts, 3, responses)
     out = []
     for attention in ("flex_attention", "sdpa"):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention)
