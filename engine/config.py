@@ -151,6 +151,7 @@ class TrainerConfig:
     samples_every: int = 10  # log a table of sample generations
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
     max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
+    step_timeout_s: float = 3600.0  # a step or validation running longer counts as a stuck worker (rebuilt too)
     max_consecutive_skips: int = 5  # stop after this many non-finite optimizer steps in a row; 0 never
     experiment: str = "rlflow"
     run_name: str = ""
@@ -355,6 +356,8 @@ def validate(cfg: Config) -> None:
                           "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
         raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
+    if cfg.trainer.step_timeout_s <= 0:
+        raise ConfigError(f"trainer.step_timeout_s must be > 0, got {cfg.trainer.step_timeout_s}")
 
 
 def _validate_critic(cfg: Config) -> None:

@@ -40,7 +40,6 @@ from engine.config import Config
 from engine.data import Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
 from pipelines.driver import Stages, even_cut, run
-from pipelines.grpo import GET_TIMEOUT_S
 from pipelines.sft import supervised
 
 
@@ -72,7 +71,7 @@ def merge(results: list[dict], prefix: str) -> dict[str, float]:
 def validate(stages: Stages, batches: list[Batch]) -> dict[str, float]:
     """`val/loss`, `val/reward_margin`, `val/reward_accuracy`, `val/chosen_reward`, `val/rejected_reward`."""
     submit = lambda method, *args: method.remote(*args)  # noqa: E731
-    results = ray.get(step_graph(stages, batches, submit, "dpo_eval"), timeout=GET_TIMEOUT_S)
+    results = ray.get(step_graph(stages, batches, submit, "dpo_eval"), timeout=stages.timeout)
     return {k: v for k, v in merge(results, "val").items() if not k.startswith("timing_s/")}
 
 

@@ -19,7 +19,6 @@ from engine.config import Config
 from engine.data import PromptLoader
 from engine.placement import Pool
 from engine.tracking import Tracker
-from pipelines.grpo import GET_TIMEOUT_S
 from stages.actor import ActorRollout
 from stages.reference import Reference
 from stages.worker import StageWorker
@@ -45,6 +44,7 @@ class Stages:
             self.pools[self.roles["reference"]].add("reference", Reference,
                                                     lambda r: dict(cfg=cfg, model_path=model_path, device=device))
         self.workers = p.workers
+        self.timeout = cfg.trainer.step_timeout_s  # every wait on the workers
 
     def worker(self, role: str, rank: int) -> Any:
         return self.pools[self.roles[role]].workers[rank]
@@ -52,7 +52,7 @@ class Stages:
     def actors(self, verb: str, *args: Any) -> list:
         """`verb` on every rank's actor, together (the collective verbs); their results."""
         return ray.get([self.worker("actor", r).run.remote("actor", verb, *args) for r in range(self.workers)],
-                       timeout=GET_TIMEOUT_S)
+                       timeout=self.timeout)
 
     def shutdown(self) -> None:
         for pool in self.pools.values():
@@ -66,14 +66,14 @@ def make_runner(cfg: Config, stages: Stages, graph: Graph) -> tuple[Callable[[li
     """(run one step, release) for the configured execution mode."""
     if cfg.trainer.dag == "plain":
         submit = lambda method, *args: method.remote(*args)  # noqa: E731
-        return (lambda xs: ray.get(graph(stages, xs, submit), timeout=GET_TIMEOUT_S)), (lambda: None)
+        return (lambda xs: ray.get(graph(stages, xs, submit), timeout=stages.timeout)), (lambda: None)
     from ray.dag import InputNode, MultiOutputNode
 
     bind = lambda method, *args: method.bind(*args)  # noqa: E731
     with InputNode() as inp:
         dag = MultiOutputNode(graph(stages, [inp[r] for r in range(stages.workers)], bind))
-    compiled = dag.experimental_compile(_submit_timeout=GET_TIMEOUT_S)
-    return (lambda xs: ray.get(compiled.execute(*xs), timeout=GET_TIMEOUT_S)), compiled.teardown
+    compiled = dag.experimental_compile(_submit_timeout=stages.timeout)
+    return (lambda xs: ray.get(compiled.execute(*xs), timeout=stages.timeout)), compiled.teardown
 
 
 def even_cut(items: list, workers: int, what: str) -> tuple[list, int]:

@@ -59,8 +59,6 @@ from stages.reward import Reward
 from stages.rollout import Rollout
 from stages.worker import StageWorker
 
-GET_TIMEOUT_S = 3600.0  # a step may legitimately run long; ray.get's compiled-graph default is 10 s
-
 
 class Stages:
     """Worker pools and which pool serves each role (actor, reward, reference, critic, rollout)."""
@@ -93,6 +91,7 @@ class Stages:
             self.pools[where].add(role, cls, kwargs)
             self.roles[role] = where
         self.workers = p.workers
+        self.timeout = cfg.trainer.step_timeout_s  # every wait on the workers; ray.get's compiled-graph default is 10 s
         self.generator = "rollout" if "rollout" in self.roles else "actor"  # the role whose `generate` runs
         if "rollout" in self.roles:
             self._connect()
@@ -107,14 +106,14 @@ class Stages:
         plan = ray.get(actor.run.remote("actor", "weight_plan"))
         ray.get([actor.run.remote("actor", "connect_rollout", host, port, self.workers + 1)] +
                 [self.worker("rollout", r).run.remote("rollout", "connect", host, port, self.workers + 1, plan)
-                 for r in range(self.workers)], timeout=GET_TIMEOUT_S)
+                 for r in range(self.workers)], timeout=self.timeout)
 
     def push_weights(self) -> None:
         """Split placement: the actor's weights to the rollout pool, outside the step graph (every rank at once)."""
         if "rollout" in self.roles:
             ray.get([self.worker("actor", r).run.remote("actor", "push_weights") for r in range(self.workers)] +
                     [self.worker("rollout", r).run.remote("rollout", "pull_weights") for r in range(self.workers)],
-                    timeout=GET_TIMEOUT_S)
+                    timeout=self.timeout)
 
     def shutdown(self) -> None:
         for pool in self.pools.values():
@@ -165,14 +164,14 @@ def make_runner(cfg: Config, stages: Stages) -> tuple[Callable[[list[Any]], list
 
     if cfg.trainer.dag == "plain":
         submit = lambda method, *args: method.remote(*args)  # noqa: E731
-        return (lambda xs: ray.get(graph(xs, submit), timeout=GET_TIMEOUT_S)[:n]), (lambda: None)
+        return (lambda xs: ray.get(graph(xs, submit), timeout=stages.timeout)[:n]), (lambda: None)
     from ray.dag import InputNode, MultiOutputNode
 
     bind = lambda method, *args: method.bind(*args)  # noqa: E731
     with InputNode() as inp:
         dag = MultiOutputNode(graph([inp[r] for r in range(n)], bind))
-    compiled = dag.experimental_compile(_submit_timeout=GET_TIMEOUT_S)
-    return (lambda reqs: ray.get(compiled.execute(*reqs), timeout=GET_TIMEOUT_S)[:n]), compiled.teardown
+    compiled = dag.experimental_compile(_submit_timeout=stages.timeout)
+    return (lambda reqs: ray.get(compiled.execute(*reqs), timeout=stages.timeout)[:n]), compiled.teardown
 
 
 def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
@@ -191,7 +190,7 @@ def rollout(stages: Stages, prompts: list[Prompt], step: int, greedy: bool = Fal
         request = RolloutRequest(part, step, greedy, samples)
         batch = stages.worker(stages.generator, rank).run.remote(stages.generator, "generate", request)
         refs.append(stages.worker("reward", rank).run.remote("reward", "score", batch) if part else batch)
-    return ray.get(refs, timeout=GET_TIMEOUT_S)
+    return ray.get(refs, timeout=stages.timeout)
 
 
 def validate(stages: Stages, prompts: list[Prompt], step: int, k: int) -> dict[str, float]:
@@ -300,8 +299,10 @@ def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: st
                              keep)
 
 
-# A stage's process died (OOM kill, node loss, segfault): rebuild the workers and continue.
-WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayChannelError)
+# A stage's process died (OOM kill, node loss, segfault), or a wait on the workers ran past
+# trainer.step_timeout_s (a stuck kernel or collective): rebuild the workers and continue.
+WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayChannelError,
+               ray.exceptions.GetTimeoutError)
 
 
 class Workers:
@@ -366,7 +367,9 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
                 if restarts >= t.max_restarts:
                     raise
                 restarts += 1
-                print(f"rlflow: a worker died at step {step} ({type(e).__name__}); restart {restarts}/"
+                what = f"ran past trainer.step_timeout_s={t.step_timeout_s:g}" if isinstance(e, TimeoutError) \
+                    else "died"
+                print(f"rlflow: a worker {what} at step {step} ({type(e).__name__}); restart {restarts}/"
                       f"{t.max_restarts} from {last_ckpt or 'the initial model'}")
                 tracker.log_metrics({"trainer/restarts": restarts}, step=step)
                 tracker.set_tags({f"restart.{restarts}": f"step {step}: {type(e).__name__}: {e}"[:500]})

@@ -44,7 +44,6 @@ from engine.config import Config
 from engine.data import Example, PromptLoader, load_examples
 from engine.tracking import Tracker
 from pipelines.driver import Stages, even_cut, make_runner, run
-from pipelines.grpo import GET_TIMEOUT_S
 
 
 def step_graph(stages: Stages, inputs: list[Any], call: Callable, verb: str = "sft_update") -> list[Any]:
@@ -71,7 +70,7 @@ def sft_step(run_step: Callable[[list[Any]], list[dict]], examples: list[Example
 def validate(stages: Stages, shards: list[list[Example]]) -> dict[str, float]:
     """`val/sft/loss`: the mean response-token NLL over every rank's held-out examples."""
     submit = lambda method, *args: method.remote(*args)  # noqa: E731
-    results = ray.get(step_graph(stages, shards, submit, "sft_eval"), timeout=GET_TIMEOUT_S)
+    results = ray.get(step_graph(stages, shards, submit, "sft_eval"), timeout=stages.timeout)
     return {"val/sft/loss": sum(r["nll"] for r in results) / sum(r["tokens"] for r in results)}
 
 

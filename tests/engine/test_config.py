@@ -55,6 +55,7 @@ def test_unknown_key_in_yaml(tmp_path):
      "samples_per_prompt must be >= 2"),
     (["algorithm.advantage=remax", "reward.overlong_buffer=2"], "greedy baseline"),
     ("trainer.val_samples=-1", "must be >= 0"),
+    ("trainer.step_timeout_s=0", "step_timeout_s must be > 0"),
     ("algorithm.advantage=gae", "name ppo goes with advantage gae"),
     ("algorithm.name=ppo", "name ppo goes with advantage gae"),
     ("critic.warmup_steps=3", "needs algorithm.advantage=gae"),

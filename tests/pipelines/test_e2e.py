@@ -217,6 +217,33 @@ def test_a_killed_worker_is_rebuilt_and_the_run_finishes(tmp_path):
     assert run.info.status == "FINISHED"
 
 
+# A user's reward that hangs on its first call only (a file marks it), as a stuck kernel or
+# collective would hang a stage: longer than the step timeout, shorter than its own.
+STALLING_REWARD = """
+import pathlib, time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    mark = pathlib.Path(__file__).with_suffix(".stalled")
+    if not mark.exists():
+        mark.write_text("")
+        time.sleep(300)
+    return float(len(solution_str) % 2)
+"""
+
+
+def test_a_stuck_step_is_abandoned_after_the_step_timeout_and_the_run_finishes(tmp_path):
+    reward = tmp_path / "stalling_reward.py"
+    reward.write_text(STALLING_REWARD)
+    began = time.time()
+    proc = rlflow(tmp_path, "out", f"reward.function={reward}:compute_score", "reward.timeout_s=600",
+                  "trainer.step_timeout_s=20", "trainer.max_restarts=1", "trainer.total_steps=3")
+    assert "a worker ran past trainer.step_timeout_s=20" in proc.stdout and "restart 1/1" in proc.stdout
+    assert time.time() - began < 250  # abandoned, not waited out
+    client, run = only_run(tmp_path)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
+    assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2, 3]
+    assert run.info.status == "FINISHED"
+
+
 def test_checkpoint_from_two_workers_resumes_on_one(tmp_path):
     # two data-parallel ranks (gloo all-reduce) with the reward stage split into its own pool
     rlflow(tmp_path, "out", "placement.workers=2", "placement.own_pool=[reward]", "trainer.total_steps=2",
