@@ -20,9 +20,8 @@ groups of t ranks) with a KV cache for `--slots` x `--max-len` tokens. Per TP si
   the all-to-all bandwidth measured in the same run (a buffer of the same size); on one GPU, the
   fp32 master read plus the bf16 copy written, at the device copy bandwidth measured alike;
 - switch floor: that plus the optimizer state over the device -> pinned host bandwidth measured alike;
-- whether the decode CUDA graphs survived each switch (they do when the KV cache returns to the
-  same address, as it does on CUDA; otherwise train -> generate includes recapturing them, with a
-  2-token generate);
+- whether the decode CUDA graphs survived each switch (the same graph objects after it: the KV
+  cache and weights come back at the same addresses);
 - reload baseline: the full state dict gathered, then a fresh NativeRollout built from it, made
   ready to generate (its decode graphs captured); in memory, the favourable case for the
   baseline: nothing goes through a disk.
@@ -116,8 +115,6 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
         engine.offload() if args.offload else engine.optimizer.zero_grad(set_to_none=True)
         rollout.resume_memory()
         resharder.sync()
-        if rollout.graphs == {}:  # the KV cache came back elsewhere: recapture now, as the next generate would
-            rollout.generate([[1, 2, 3]], first)
 
     def to_training() -> None:
         rollout.release_memory(weights=True)  # the next switch writes them all
@@ -167,8 +164,7 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
               f"floor {floor * 1e3:.1f} ms -> {reshard_only / floor if floor else float('nan'):.1f}x floor\n"
               f"       train->gen {d * 1e3:.1f} ms (with {offload_bytes / 2**30:.1f} GiB optimizer state to pinned "
               f"host, floor {(floor + offload_floor) * 1e3:.1f} ms -> {d / (floor + offload_floor):.1f}x), "
-              f"gen->train {u * 1e3:.1f} ms; decode graphs kept in {kept}/{args.repeats} switches "
-              f"(else recaptured within train->gen)\n"
+              f"gen->train {u * 1e3:.1f} ms; decode graphs kept in {kept}/{args.repeats} switches\n"
               f"       reload baseline (full state dict -> fresh engine, graphs captured) {baseline * 1e3:.0f} ms "
               f"= {baseline / reshard_only:.0f}x the reshard, {baseline / d:.1f}x train->gen; "
               f"peak {train_peak:.1f} GiB train, {peak:.1f} GiB switch+gen", flush=True)

@@ -27,9 +27,8 @@ Invariants (those of engine/rollout.py, plus):
   sampling and scheduling stay in lockstep, and `max_slots` is agreed on (the minimum);
 - `release_memory` gives the KV cache's memory back (with `weights=True` the weights' too: on
   CUDA their values are then lost, and `generate` refuses to run until they are written again);
-  `generate` refuses to run until `resume_memory`. On CUDA both return at the same addresses
-  (engine/vmm.py), so the decode graphs that point into them are kept; if the cache ever
-  returned elsewhere they would be dropped and captured again on use.
+  `generate` refuses to run until `resume_memory`. On CUDA, the only place decode graphs exist,
+  both return at the same addresses (engine/vmm.py), so the graphs that point into them are kept.
 
 Run: the tests in tests/engine/test_native.py (CPU, fp32, the tiny embedded model).
 """
@@ -132,7 +131,6 @@ class NativeRollout:
         self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
         self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, self.model.kv_heads, head_dim(cfg),
                              weight.dtype, self.device)
-        self._cache_at = (0, 0)  # the KV cache's (K, V) addresses when last released
         self.phase_s: dict[str, float] | None = None  # set to {} to profile generate (see _lap)
         self._lap_start = 0.0
         # the next decode's inputs per slot, kept on the device (the graphs' static inputs): each
@@ -404,17 +402,13 @@ class NativeRollout:
         then lost until written again), so training gets the memory."""
         if weights:
             self.model.release_weights()
-        if self.cache.k is None or self.cache.v is None:
+        if self.cache.k is None:
             return
-        self._cache_at = (self.cache.k.data_ptr(), self.cache.v.data_ptr())
         self.cache.free()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        """Allocate the KV cache again, zeroed; the decode graphs point into it, so they are kept
-        only if it came back at the same address (on CUDA it does; else recaptured on first use)."""
+        """Allocate the KV cache again, zeroed. The decode graphs point into it and stay valid:
+        graphs exist only on CUDA, where the cache comes back at the same addresses (KVCache)."""
         self.cache.allocate()
-        assert self.cache.k is not None and self.cache.v is not None
-        if self.graphs and (self.cache.k.data_ptr(), self.cache.v.data_ptr()) != self._cache_at:
-            self.graphs = {}

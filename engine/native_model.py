@@ -246,9 +246,10 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.nbytes = torch.Size(self.shape).numel() * dtype.itemsize  # each of K and V
         self.buffer: StableBuffer | None = None
         if device.type == "cuda":
-            self.buffer = StableBuffer(2 * torch.Size(self.shape).numel() * dtype.itemsize, device)
+            self.buffer = StableBuffer(2 * self.nbytes, device)
         self.allocate()
 
     def allocate(self) -> None:
@@ -259,9 +260,8 @@ class KVCache:
             self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
             return
         self.buffer.restore()
-        half = torch.Size(self.shape).numel() * self.dtype.itemsize
         self.k = self.buffer.view(self.dtype, self.shape).zero_()
-        self.v = self.buffer.view(self.dtype, self.shape, half).zero_()
+        self.v = self.buffer.view(self.dtype, self.shape, self.nbytes).zero_()
 
     def free(self) -> None:
         self.k = self.v = None
