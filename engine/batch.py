@@ -105,6 +105,15 @@ def _cat_padded(parts: list[torch.Tensor], left: bool) -> torch.Tensor:
 
 
 @dataclass
+class Update:
+    """What one rank's policy update returns to the driver."""
+    metrics: dict[str, float]  # the step's numbers on this rank (the driver averages over ranks)
+    timing: dict[str, float]  # seconds per phase on this rank (the driver takes the slowest)
+    samples: list[dict]  # a few prompts with a response each, for the samples table
+    weight_version: int  # the policy's weights after the update: what a push to a rollout pool carries
+
+
+@dataclass
 class RolloutRequest:
     """What the driver sends a rollout worker: its shard of prompts and how to sample them."""
     prompts: list  # list[engine.data.Prompt]

@@ -5,8 +5,8 @@ cluster's nodes. `plan` fills the alive nodes in a fixed order (the driver's nod
 IP and node id), as many bundles on each as its free resources hold (its total ones when the free
 ones fall short), and every node used gets one STRICT_PACK placement group. Ranks follow that
 order: all ranks of the first node, then those of the next. A one-node cluster gets one group.
-Workers of a pool with more than one rank join one torch.distributed group, unless the pool
-asks for none.
+A pool knows nothing of what its workers run: the stage runtime (pipelines/runtime.py) builds
+stages on them and joins their ranks into a torch.distributed group.
 
 Invariants:
 - a pool whose resources cannot be had fails with a clear error after `timeout_s`, never hangs;
@@ -56,8 +56,8 @@ def layout(bundle: dict[str, float], size: int) -> list[tuple[str, int]]:
 
 class Pool:
     def __init__(self, name: str, worker_cls: type, size: int, gpus: float, threads: int,
-                 timeout_s: float = 120.0, group: bool = True) -> None:
-        """`group`: the ranks (when more than one) join one torch.distributed group."""
+                 timeout_s: float = 120.0) -> None:
+        """`size` actors of `worker_cls`, each built as `worker_cls(rank, size, threads)`."""
         bundle = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
         self.name = name
         where = layout(bundle, size)
@@ -82,13 +82,6 @@ class Pool:
             ).remote(r, size, threads)
             for r, (g, i) in enumerate(slots)
         ]
-        if size > 1 and group:
-            host, port = ray.get(self.workers[0].address.remote())
-            ray.get([w.init_process_group.remote(host, port) for w in self.workers])
-
-    def add(self, role: str, cls: type, kwargs_for_rank: Any) -> None:
-        """Construct stage `cls` on every worker; `kwargs_for_rank(rank)` gives its arguments."""
-        ray.get([w.add.remote(role, cls, kwargs_for_rank(r)) for r, w in enumerate(self.workers)])
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -10,9 +10,10 @@ label smoothing / IPO / conservative variants, an added SFT term, and precompute
 logprobs (the reference recomputes them each step, next to the actor, as in GRPO's KL path).
 
 One step, per data-parallel rank (`step_graph`):
-    pairs -> reference.logprobs -> actor.dpo_update
+    pairs -> reference.logprobs -> policy.dpo_update
 compiled into a Ray compiled graph (`trainer.dag=compiled`) or run as `.remote()` calls (`plain`).
-Validation, checkpoints and logging stay in the driver, between executions. With the embedded
+Validation, checkpoints, restarts and logging are the driver loop's (pipelines/driver.py),
+between executions. With the embedded
 model, the warm start is supervised training on the training pairs' chosen answers; on the
 embedded pairs those are the GRPO default's warm-start examples, in the same order.
 
@@ -26,30 +27,33 @@ Run: `rlflow dpo [conf/dpo.yaml] [key=value ...]`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import ray
 from transformers import AutoTokenizer
 
 from engine.batch import Batch
 from engine.config import Config
 from engine.data import Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
-from pipelines.driver import Stages, even_cut, run
+from pipelines import driver
+from pipelines.runtime import SUBMIT, Stages, launch, wait
 from pipelines.sft import supervised
+from stages.actor import ActorRollout
+from stages.reference import Reference
 
 
-def step_graph(stages: Stages, inputs: list[Any], call: Callable, verb: str = "dpo_update") -> list[Any]:
-    """One chain per rank; `call` binds (compiled DAG) or submits (plain). `verb`: dpo_update or dpo_eval."""
+def step_graph(stages: Stages, inputs: list[Any], verb: Callable = ActorRollout.dpo_update) -> tuple[list[Any],
+                                                                                                   list[Any]]:
+    """One chain per rank; `verb`: ActorRollout.dpo_update, or dpo_eval for validation."""
+    assert stages.reference is not None
     outputs = []
     for rank, batch in enumerate(inputs):
-        batch = call(stages.worker("reference", rank).run, "reference", "logprobs", batch)  # the frozen anchor
-        outputs.append(call(stages.worker("actor", rank).run, "actor", verb, batch))  # DPO loss, optimizer steps
-    return outputs
+        batch = stages.reference.at(rank, Reference.logprobs, batch)  # the frozen anchor
+        outputs.append(stages.policy.at(rank, verb, batch))  # DPO loss, optimizer steps
+    return outputs, []
 
 
 def shard(pairs: list[Pair], workers: int, pad_id: int) -> list[Batch]:
@@ -68,11 +72,37 @@ def merge(results: list[dict], prefix: str) -> dict[str, float]:
     return out
 
 
-def validate(stages: Stages, batches: list[Batch]) -> dict[str, float]:
-    """`val/loss`, `val/reward_margin`, `val/reward_accuracy`, `val/chosen_reward`, `val/rejected_reward`."""
-    submit = lambda method, *args: method.remote(*args)  # noqa: E731
-    results = ray.get(step_graph(stages, batches, submit, "dpo_eval"), timeout=stages.timeout)
-    return {k: v for k, v in merge(results, "val").items() if not k.startswith("timing_s/")}
+class DPO:
+    """DPO for the driver loop (pipelines/driver.py)."""
+
+    def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+        return step_graph(stages, inputs)
+
+    def __init__(self, cfg: Config, model_path: str, pad_id: int, val: list[Batch]) -> None:
+        self.cfg, self.model_path, self.pad_id, self.val = cfg, model_path, pad_id, val
+
+    def launch(self) -> Stages:
+        return launch(self.cfg, self.model_path, reward=False, reference=True, generates=False)
+
+    def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
+        return shard(loader.next_batch(), stages.workers, self.pad_id), {}
+
+    def metrics(self, outputs: list[dict], seconds: float) -> dict[str, float]:
+        return {**merge(outputs, "dpo"), "timing_s/step": seconds}
+
+    def samples(self, outputs: list[Any]) -> list[dict]:
+        return []
+
+    def validate(self, stages: Stages, step: int) -> dict[str, float]:
+        """`val/loss`, `val/reward_margin`, `val/reward_accuracy`, `val/chosen_reward`, `val/rejected_reward`."""
+        outputs, _ = step_graph(stages.bound(SUBMIT), self.val, ActorRollout.dpo_eval)
+        results = wait(outputs, SUBMIT, stages.timeout)
+        return {k: v for k, v in merge(results, "val").items() if not k.startswith("timing_s/")}
+
+    def headline(self, m: dict[str, float], validation: bool) -> str:
+        p = "val" if validation else "dpo"
+        return f"loss {m[f'{p}/loss']:.4f} margin {m[f'{p}/reward_margin']:.4f} " \
+               f"accuracy {m[f'{p}/reward_accuracy']:.3f}"
 
 
 def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Pair], dict[str, int], int]:
@@ -90,25 +120,14 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
-    """The DPO loop; returns the exported HF directory of the final policy."""
-    t, workers = cfg.trainer, cfg.placement.workers
+    """The DPO run; returns the exported HF directory of the final policy."""
+    workers = cfg.placement.workers
     # the reference scores at temperature 1, the models' own distributions
     cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0))
     train_pairs, counts, pad_id = load(cfg, model_path, files["train"])
     val_pairs, _, _ = load(cfg, model_path, files["val"])
     val_pairs = val_pairs[:cfg.data.val_max_prompts or None]
-    val_pairs, counts["val_left_out"] = even_cut(val_pairs, workers, "validation pairs")
-    val = shard(val_pairs, workers, pad_id)
+    val_pairs, counts["val_left_out"] = driver.even_cut(val_pairs, workers, "validation pairs")
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
-    loader = PromptLoader(train_pairs, cfg.data.prompts_per_step, t.seed)
-
-    def step(run_step: Callable, pairs: list[Pair]) -> dict[str, float]:
-        begin = time.perf_counter()
-        metrics = merge(run_step(shard(pairs, workers, pad_id)), "dpo")
-        metrics["timing_s/step"] = time.perf_counter() - begin
-        return metrics
-
-    stages = Stages(cfg, model_path, reference=True)
-    return run(cfg, stages, step_graph, loader, tracker, step, lambda: validate(stages, val),
-               lambda m: f"loss {m['dpo/loss']:.4f} margin {m['dpo/reward_margin']:.4f} "
-                         f"accuracy {m['dpo/reward_accuracy']:.3f}")
+    loader = PromptLoader(train_pairs, cfg.data.prompts_per_step, cfg.trainer.seed)
+    return driver.run(cfg, DPO(cfg, model_path, pad_id, shard(val_pairs, workers, pad_id)), loader, tracker)

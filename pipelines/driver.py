@@ -1,79 +1,169 @@
-"""Driver of the pipelines that train on fixed data (DPO, SFT): the worker pools, the step runner
-(a Ray compiled graph or plain `.remote()` calls), the step loop, checkpoints and the final export.
+"""The one driver loop of every training pipeline (GRPO and its relatives, PPO, SFT, DPO).
+
+An algorithm is its stages, its step graph and how it reads the step's outputs (`Algorithm`);
+this loop owns everything else:
+    resume -> [validate] -> step inputs -> run the step graph -> metrics -> log -> [checkpoint]
+    ... -> final validation, checkpoint and HF export
+A worker that dies or hangs past `trainer.step_timeout_s`, in a step or a validation, has the
+workers rebuilt from the last complete checkpoint (or the initial model) and the loop goes on,
+up to `trainer.max_restarts` times.
 
 Invariants:
-- the actor's `save`, `load` and `export` are collective: every rank is called, together;
-- a resumed run continues from the checkpoint's weights, optimizer and loader position.
+- a resumed run continues from the checkpoint's weights, optimizer, loader position and step,
+  so it logs the same numbers as a run never stopped;
+- `save`, `load` and `export` are collective: every rank of a stage is called together.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from pathlib import Path
-from typing import Any
-
-import ray
+from typing import Any, Protocol
 
 from engine import checkpoint
 from engine.config import Config
 from engine.data import PromptLoader
-from engine.placement import Pool
 from engine.tracking import Tracker
+from pipelines.runtime import WORKER_LOST, Runner, Stages
 from stages.actor import ActorRollout
-from stages.reference import Reference
-from stages.worker import StageWorker
 
 
-class Stages:
-    """The policy (actor) and, if asked, the frozen reference, colocated unless `placement.own_pool`
-    has reference. For the pipelines that never sample (SFT, DPO, the warm start): the actors build
-    no rollout engine."""
+class Algorithm(Protocol):
+    """What the loop needs of an algorithm."""
 
-    def __init__(self, cfg: Config, model_path: str, reference: bool) -> None:
-        p = cfg.placement
-        device = "cuda" if p.gpus_per_worker else "cpu"
-        self.roles = {"actor": "hybrid"}
-        if reference:
-            self.roles["reference"] = "reference" if "reference" in p.own_pool else "hybrid"
-        self.pools = {name: Pool(name, StageWorker, p.workers, p.gpus_per_worker, p.torch_threads)
-                      for name in dict.fromkeys(self.roles.values())}
-        self.pools["hybrid"].add("actor", ActorRollout, lambda r: dict(cfg=cfg, model_path=model_path, rank=r,
-                                                                      world=p.workers, device=device,
-                                                                      generates=False))
-        if reference:
-            self.pools[self.roles["reference"]].add("reference", Reference,
-                                                    lambda r: dict(cfg=cfg, model_path=model_path, device=device))
-        self.workers = p.workers
-        self.timeout = cfg.trainer.step_timeout_s  # every wait on the workers
+    def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+        """The step's dataflow over the stages (see runtime.Graph)."""
+        ...
 
-    def worker(self, role: str, rank: int) -> Any:
-        return self.pools[self.roles[role]].workers[rank]
+    def launch(self) -> Stages:
+        """Start the workers and build the stages (fresh weights: the model directory's)."""
+        ...
 
-    def actors(self, verb: str, *args: Any) -> list:
-        """`verb` on every rank's actor, together (the collective verbs); their results."""
-        return ray.get([self.worker("actor", r).run.remote("actor", verb, *args) for r in range(self.workers)],
-                       timeout=self.timeout)
+    def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
+        """Each rank's input to the step graph, and metrics the driver computed making them."""
+        ...
 
-    def shutdown(self) -> None:
-        for pool in self.pools.values():
-            pool.shutdown()
+    def metrics(self, outputs: list[Any], seconds: float) -> dict[str, float]:
+        """The step's metrics from each rank's output and the step's wall time."""
+        ...
+
+    def samples(self, outputs: list[Any]) -> list[dict]:
+        """A few generated samples for the samples table (none where nothing is generated)."""
+        ...
+
+    def validate(self, stages: Stages, step: int) -> dict[str, float]:
+        """Held-out metrics (`val/*`) of the current policy."""
+        ...
+
+    def headline(self, metrics: dict[str, float], validation: bool) -> str:
+        """One short line of a step's (or a validation's) main numbers, for the terminal."""
+        ...
 
 
-Graph = Callable[[Stages, list[Any], Callable], list[Any]]  # (stages, per-rank inputs, bind or submit) -> outputs
+class Workers:
+    """Live stages restored to a checkpoint (or fresh), and the step runner over them."""
+
+    def __init__(self, cfg: Config, algo: Algorithm, ckpt: Path | None, loader: PromptLoader) -> None:
+        self.stages = algo.launch()
+        self.start = 0
+        loader.load_state_dict({"epoch": 0, "position": 0, "seed": cfg.trainer.seed})
+        if ckpt:
+            self.stages.load(str(ckpt))
+            state = checkpoint.read_driver_state(ckpt)
+            loader.load_state_dict(state["loader"])
+            self.start = state["step"]
+            print(f"resumed from {ckpt} at step {self.start}")
+        self.run = Runner(self.stages, algo.graph, cfg.trainer.dag)
+
+    def close(self, lost: bool = False) -> None:
+        """Stop the runner and the workers; `lost`: one of them died or hangs."""
+        for stop in (lambda: self.run.close(lost), self.stages.shutdown):
+            try:
+                stop()
+            except Exception as e:  # a dead worker may fail its own teardown; the rest must still go
+                print(f"rlflow: ignoring {type(e).__name__} while stopping workers: {e}")
 
 
-def make_runner(cfg: Config, stages: Stages, graph: Graph) -> tuple[Callable[[list[Any]], list[dict]], Callable]:
-    """(run one step, release) for the configured execution mode."""
-    if cfg.trainer.dag == "plain":
-        submit = lambda method, *args: method.remote(*args)  # noqa: E731
-        return (lambda xs: ray.get(graph(stages, xs, submit), timeout=stages.timeout)), (lambda: None)
-    from ray.dag import InputNode, MultiOutputNode
+def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
+    tmp = checkpoint.begin(root, step)
+    stages.save(str(tmp))
+    return checkpoint.commit(root, tmp, step, {"step": step, "loader": loader.state_dict(), "run_id": run_id},
+                             keep)
 
-    bind = lambda method, *args: method.bind(*args)  # noqa: E731
-    with InputNode() as inp:
-        dag = MultiOutputNode(graph(stages, [inp[r] for r in range(stages.workers)], bind))
-    compiled = dag.experimental_compile(_submit_timeout=stages.timeout)
-    return (lambda xs: ray.get(compiled.execute(*xs), timeout=stages.timeout)), compiled.teardown
+
+def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) -> Path:
+    """The loop; returns the exported HF directory of the final policy."""
+    t, out = cfg.trainer, Path(cfg.trainer.output_dir)
+    root = out / "checkpoints"
+    last_ckpt = checkpoint.find_resume(root, t.resume)
+    live = Workers(cfg, algo, last_ckpt, loader)
+    step, restarts = live.start, 0
+    bar = Progress(t.progress, step, t.total_steps)
+
+    def validated(at: int) -> None:
+        """Held-out metrics at step `at`, logged, and their headline printed."""
+        scores = algo.validate(live.stages, at)
+        tracker.log_metrics(scores, step=at)
+        bar.write(f"validation at step {at}: {algo.headline(scores, validation=True)}")
+
+    def advance(at: int) -> int:
+        """Step `at` -> at + 1: [validation], the step graph, its metrics and logs, [a checkpoint]."""
+        nonlocal last_ckpt
+        if t.val_every and at % t.val_every == 0:  # before `begin`: not part of the step's throughput
+            validated(at)
+        begin = time.perf_counter()
+        inputs, driver_metrics = algo.inputs(live.stages, loader, at)  # e.g. DAPO's dynamic sampling
+        outputs = live.run(inputs)
+        metrics = {**algo.metrics(outputs, time.perf_counter() - begin), **driver_metrics}
+        check_health(metrics, t.max_consecutive_skips, last_ckpt)
+        at += 1
+        tracker.log_metrics(metrics, step=at)
+        if t.samples_every and at % t.samples_every == 0 and (rows := algo.samples(outputs)):
+            tracker.log_table([dict(s, step=at) for s in rows], f"samples/step_{at:06d}.json")
+        if t.save_every and at % t.save_every == 0 and at < t.total_steps:
+            last_ckpt = save(live.stages, root, at, loader, tracker.run_id, t.keep_last)
+        bar.update(algo.headline(metrics, validation=False))
+        return at
+
+    finished = False
+    try:
+        while step < t.total_steps:
+            try:
+                step = advance(step)
+            except WORKER_LOST as e:  # in the step, a validation or a checkpoint's save
+                if restarts >= t.max_restarts:
+                    raise
+                restarts += 1
+                what = f"ran past trainer.step_timeout_s={t.step_timeout_s:g}" if isinstance(e, TimeoutError) \
+                    else "died"
+                print(f"rlflow: a worker {what} at step {step} ({type(e).__name__}); restart {restarts}/"
+                      f"{t.max_restarts} from {last_ckpt or 'the initial model'}")
+                tracker.log_metrics({"trainer/restarts": restarts}, step=step)
+                tracker.set_tags({f"restart.{restarts}": f"step {step}: {type(e).__name__}: {e}"[:500]})
+                live.close(lost=True)
+                live = Workers(cfg, algo, last_ckpt, loader)
+                step = live.start
+        validated(t.total_steps)
+        bar.close()
+        ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
+        if t.log_checkpoint:
+            tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
+        export = out / "hf_model"
+        live.stages.policy.all(ActorRollout.export, str(export))
+        tracker.log_artifact(str(export), "hf_model")
+        finished = True
+        return export
+    finally:
+        live.close(lost=not finished)  # after an error a worker may hang: kill, do not wait for it
+
+
+def check_health(metrics: dict[str, float], limit: int, last_ckpt: Path | None) -> None:
+    """Stop when the optimizer keeps refusing non-finite updates; the weights never took them."""
+    if limit and metrics["actor/consecutive_skipped_steps"] >= limit:
+        raise RuntimeError(
+            f"{int(metrics['actor/consecutive_skipped_steps'])} optimizer steps in a row had a non-finite loss "
+            f"or gradient (trainer.max_consecutive_skips={limit}); stopping. The last checkpoint is intact: "
+            f"{last_ckpt or 'none was written yet'}")
 
 
 def even_cut(items: list, workers: int, what: str) -> tuple[list, int]:
@@ -85,64 +175,24 @@ def even_cut(items: list, workers: int, what: str) -> tuple[list, int]:
     return items[:len(items) - left_out], left_out
 
 
-def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
-    tmp = checkpoint.begin(root, step)
-    stages.actors("save", str(tmp))
-    return checkpoint.commit(root, tmp, step, {"step": step, "loader": loader.state_dict(), "run_id": run_id},
-                             keep)
+class Progress:
+    """A one-line tqdm bar: step, the algorithm's headline, ETA."""
 
+    def __init__(self, enabled: bool, start: int, total: int) -> None:
+        from tqdm import tqdm
 
-def resume(stages: Stages, ckpt: Path | None, loader: PromptLoader) -> int:
-    """Load `ckpt` (if any) into the actors and the loader; returns the step to continue from."""
-    if not ckpt:
-        return 0
-    stages.actors("load", str(ckpt))
-    state = checkpoint.read_driver_state(ckpt)
-    loader.load_state_dict(state["loader"])
-    print(f"resumed from {ckpt} at step {state['step']}")
-    return int(state["step"])
+        self.bar = tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
 
+    def write(self, line: str) -> None:
+        """A line above the bar (printed as is when the bar is off)."""
+        if self.bar.disable:
+            print(line, flush=True)
+        else:
+            self.bar.write(line)
 
-def finish(stages: Stages, root: Path, step: int, loader: PromptLoader, tracker: Tracker, keep: int,
-           log_checkpoint: bool = True) -> Path:
-    """The final checkpoint and `<output_dir>/hf_model`, both logged as artifacts (the checkpoint
-    unless `log_checkpoint` is false); returns the export."""
-    ckpt = save(stages, root, step, loader, tracker.run_id, keep)
-    if log_checkpoint:
-        tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
-    export = root.parent / "hf_model"
-    stages.actors("export", str(export))
-    tracker.log_artifact(str(export), "hf_model")
-    return export
+    def update(self, headline: str) -> None:
+        self.bar.set_postfix_str(headline)
+        self.bar.update(1)
 
-
-def run(cfg: Config, stages: Stages, graph: Graph, loader: PromptLoader, tracker: Tracker,
-        step: Callable[[Callable, list], dict[str, float]], validate: Callable[[], dict[str, float]],
-        progress: Callable[[dict[str, float]], str]) -> Path:
-    """The loop: resume, then `step(run_step, next batch)` until trainer.total_steps, validating
-    every trainer.val_every steps (outside the step's time), checkpointing every save_every; ends
-    with a validation, the final checkpoint and the export, which it returns."""
-    t, root = cfg.trainer, Path(cfg.trainer.output_dir) / "checkpoints"
-    from pipelines.grpo import check_health
-
-    release: Callable = lambda: None  # noqa: E731
-    try:
-        last_ckpt = checkpoint.find_resume(root, t.resume)
-        done = resume(stages, last_ckpt, loader)
-        run_step, release = make_runner(cfg, stages, graph)
-        while done < t.total_steps:
-            if t.val_every and done % t.val_every == 0:
-                tracker.log_metrics(validate(), step=done)
-            metrics = step(run_step, loader.next_batch())
-            check_health(metrics, t.max_consecutive_skips, last_ckpt)
-            done += 1
-            tracker.log_metrics(metrics, step=done)
-            if t.save_every and done % t.save_every == 0 and done < t.total_steps:
-                last_ckpt = save(stages, root, done, loader, tracker.run_id, t.keep_last)
-            if t.progress and (done % 10 == 0 or done == t.total_steps):
-                print(f"{cfg.algorithm.name} step {done}/{t.total_steps}: {progress(metrics)}")
-        tracker.log_metrics(validate(), step=t.total_steps)
-        return finish(stages, root, t.total_steps, loader, tracker, t.keep_last, t.log_checkpoint)
-    finally:
-        release()
-        stages.shutdown()
+    def close(self) -> None:
+        self.bar.close()

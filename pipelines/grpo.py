@@ -17,161 +17,66 @@ drops PPO's value-loss-in-the-policy-loss (separate optimizers) and shared actor
 
 One step, per data-parallel rank (`step_graph`):
     generate -> score -> [reference logprobs] -> old logprobs -> [values] -> advantages -> [critic update]
-    -> update -> [push weights to the rollout pool]
+    -> update -> weight sync
 The same graph is either compiled once into a Ray compiled DAG (`trainer.dag=compiled`) or run
 as chained `.remote()` calls (`plain`); both execute the same stage verbs in the same order, so a
 seed gives identical metrics. Validation, dynamic sampling, checkpoints and logging stay in the
-driver, between executions.
+driver loop (pipelines/driver.py), between executions.
 
-Placement: the actor generates with its own rollout engine (hybrid), or with `placement.own_pool`
-listing rollout a pool of Rollout workers does (split), rank r for the actor's rank r. Split, the
-trainer's weights reach that pool only through the pair `actor.push_weights` + `rollout.pull_weights`,
-run together on every rank: in the graph after `update`, and from the driver after a load (the
-warm start needs none: the pools are built from the directory it exports). The samples (seeded
-per step and rank), and so the metrics, are the same in both placements.
+Placement: the policy generates with its own rollout engine (colocated), or with `placement.own_pool`
+listing rollout a pool of Rollout workers does (split), rank r for the policy's rank r. The step
+graph does not ask which: `stages.generator` generates, and `stages.sync` moves the new weights
+(pipelines/runtime.py). The samples (seeded per step and rank), and so the metrics, are the same
+in both placements.
 
 Run: `rlflow train [conf/x.yaml] [key=value ...]`.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from transformers import AutoTokenizer
 
-from engine import algos, checkpoint
-from engine.batch import Batch, RolloutRequest
+from engine import algos
+from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
 from engine.data import Prompt, PromptLoader, load_prompts
-from engine.placement import Pool
 from engine.tracking import Tracker
 from engine.train import balance
+from pipelines import driver
+from pipelines.runtime import SUBMIT, Generator, Stages, launch, wait
 from stages.actor import ActorRollout
 from stages.critic import Critic
 from stages.reference import Reference
 from stages.reward import Reward
-from stages.rollout import Rollout
-from stages.worker import StageWorker
 
 
-class Stages:
-    """Worker pools and which pool serves each role (actor, reward, reference, critic, rollout)."""
-
-    def __init__(self, cfg: Config, model_path: str) -> None:
-        p = cfg.placement
-        device = "cuda" if p.gpus_per_worker else "cpu"
-        roles: dict[str, tuple[type, Callable[[int], dict]]] = {
-            "actor": (ActorRollout, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
-                                                  device=device)),
-            "reward": (Reward, lambda r: dict(cfg=cfg, device=device)),
-        }
-        if cfg.actor.kl_loss_coef or cfg.algorithm.kl_in_reward:
-            roles["reference"] = (Reference, lambda r: dict(cfg=cfg, model_path=model_path, device=device))
-        if cfg.algorithm.advantage == "gae":
-            roles["critic"] = (Critic, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
-                                                      device=device))
-        if "rollout" in p.own_pool:
-            roles["rollout"] = (Rollout, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
-                                                        device=device))
-        self.pools: dict[str, Pool] = {}
-        self.roles: dict[str, str] = {}
-        for role, (cls, kwargs) in roles.items():
-            where = role if role in p.own_pool else "hybrid"
-            if where not in self.pools:  # rule rewards need no GPU; a reward model does
-                gpus = 0.0 if where == "reward" and not cfg.reward.model else p.gpus_per_worker
-                # a split rollout pool needs a group only to generate tensor parallel; vLLM refuses one
-                group = where != "rollout" or cfg.rollout.tp > 1
-                self.pools[where] = Pool(where, StageWorker, p.workers, gpus, p.torch_threads, group=group)
-            self.pools[where].add(role, cls, kwargs)
-            self.roles[role] = where
-        self.workers = p.workers
-        self.timeout = cfg.trainer.step_timeout_s  # every wait on the workers; ray.get's compiled-graph default is 10 s
-        self.generator = "rollout" if "rollout" in self.roles else "actor"  # the role whose `generate` runs
-        if "rollout" in self.roles:
-            self._connect()
-
-    def worker(self, role: str, rank: int) -> Any:
-        return self.pools[self.roles[role]].workers[rank]
-
-    def _connect(self) -> None:
-        """Split placement: actor rank 0 hosts the weight group and every rollout rank joins it, all at once."""
-        actor = self.worker("actor", 0)
-        host, port = ray.get(actor.address.remote())
-        plan = ray.get(actor.run.remote("actor", "weight_plan"))
-        ray.get([actor.run.remote("actor", "connect_rollout", host, port, self.workers + 1)] +
-                [self.worker("rollout", r).run.remote("rollout", "connect", host, port, self.workers + 1, plan)
-                 for r in range(self.workers)], timeout=self.timeout)
-
-    def push_weights(self) -> None:
-        """Split placement: the actor's weights to the rollout pool, outside the step graph (every rank at once)."""
-        if "rollout" in self.roles:
-            ray.get([self.worker("actor", r).run.remote("actor", "push_weights") for r in range(self.workers)] +
-                    [self.worker("rollout", r).run.remote("rollout", "pull_weights") for r in range(self.workers)],
-                    timeout=self.timeout)
-
-    def shutdown(self) -> None:
-        for pool in self.pools.values():
-            pool.shutdown()
-
-
-def step_graph(stages: Stages, inputs: list[Any], call: Callable,
-               sampled: bool = False) -> tuple[list[Any], list[Any]]:
-    """The step's dataflow, one chain per rank; `call` binds (compiled DAG) or submits (plain).
+def step_graph(stages: Stages, inputs: list[Any], sampled: bool = False) -> tuple[list[Any], list[Any]]:
+    """The step's dataflow, one chain per rank, over stages bound to a call mode.
 
     Inputs are RolloutRequests, or with `sampled` the scored batches dynamic sampling kept.
-    Returns each rank's update (what the driver reads) and, split, the weight pushes and pulls
-    that follow it (waited for, not read).
-    """
+    Returns each rank's Update (what the driver reads) and the weight sync that follows (waited for)."""
+    assert stages.reward is not None
     updates = []
     for rank, batch in enumerate(inputs):
-        def at(role: str, verb: str, x: Any, rank: int = rank) -> Any:
-            return call(stages.worker(role, rank).run, role, verb, x)
         if not sampled:
-            batch = at(stages.generator, "generate", batch)  # G samples per prompt, with rollout logprobs
-            batch = at("reward", "score", batch)  # rule reward per response
-        if "reference" in stages.roles:
-            batch = at("reference", "logprobs", batch)  # anchor for the KL loss
-        batch = at("actor", "logprobs", batch)  # old-policy logprobs for the PPO ratio
-        if "critic" in stages.roles:
-            batch = at("critic", "values", batch)  # the baseline of every token, for GAE
-        batch = at("actor", "advantages", batch)  # group-relative, or GAE with the critic's values
-        if "critic" in stages.roles:  # before the actor's, so every rank runs their collectives in one order
-            batch = at("critic", "update", batch)  # clipped value regression on the GAE returns
-        updates.append(at("actor", "update", batch))  # PPO-clip epochs over mini-batches
-    if "rollout" not in stages.roles:  # hybrid: the actor's own engine takes the weights when it next generates
-        return updates, []
-    # Split: every actor rank pushes and every rollout rank pulls the new weights, together, after the update.
-    syncs = [call(stages.worker(role, rank).run, role, verb, update)
-             for role, verb in (("actor", "push_weights"), ("rollout", "pull_weights"))
-             for rank, update in enumerate(updates)]
-    return updates, syncs
-
-
-def make_runner(cfg: Config, stages: Stages) -> tuple[Callable[[list[Any]], list[dict]], Callable]:
-    """(run one step, release) for the configured execution mode."""
-    sampled = cfg.algorithm.dynamic_sampling_tries > 0  # the driver generates and filters before the graph
-    n = stages.workers
-
-    def graph(inputs: list[Any], call: Callable) -> list[Any]:  # the n updates first, then any weight syncs
-        updates, syncs = step_graph(stages, inputs, call, sampled)
-        return updates + syncs
-
-    if cfg.trainer.dag == "plain":
-        submit = lambda method, *args: method.remote(*args)  # noqa: E731
-        return (lambda xs: ray.get(graph(xs, submit), timeout=stages.timeout)[:n]), (lambda: None)
-    from ray.dag import InputNode, MultiOutputNode
-
-    bind = lambda method, *args: method.bind(*args)  # noqa: E731
-    with InputNode() as inp:
-        dag = MultiOutputNode(graph([inp[r] for r in range(n)], bind))
-    compiled = dag.experimental_compile(_submit_timeout=stages.timeout)
-    return (lambda reqs: ray.get(compiled.execute(*reqs), timeout=stages.timeout)[:n]), compiled.teardown
+            batch = stages.generator.at(rank, Generator.generate, batch)  # G samples per prompt, with logprobs
+            batch = stages.reward.at(rank, Reward.score, batch)  # rule reward per response
+        if stages.reference is not None:
+            batch = stages.reference.at(rank, Reference.logprobs, batch)  # anchor for the KL loss
+        batch = stages.policy.at(rank, ActorRollout.logprobs, batch)  # old-policy logprobs for the PPO ratio
+        if stages.critic is not None:
+            batch = stages.critic.at(rank, Critic.values, batch)  # the baseline of every token, for GAE
+        batch = stages.policy.at(rank, ActorRollout.advantages, batch)  # group-relative, or GAE with the values
+        if stages.critic is not None:  # before the policy's, so every rank runs their collectives in one order
+            batch = stages.critic.at(rank, Critic.update, batch)  # clipped value regression on the GAE returns
+        updates.append(stages.policy.at(rank, ActorRollout.update, batch))  # PPO-clip epochs over mini-batches
+    return updates, stages.sync.after_update(updates)  # colocated: nothing; split: push to the rollout pool
 
 
 def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
@@ -185,12 +90,14 @@ def rollout(stages: Stages, prompts: list[Prompt], step: int, greedy: bool = Fal
 
     Every rank generates (tensor-parallel ranks generate together), also one left without a
     prompt when there are fewer prompts than ranks; its empty batch is not scored."""
+    gen, reward = stages.generator.bound(SUBMIT), stages.reward
+    assert reward is not None
+    reward = reward.bound(SUBMIT)
     refs = []
     for rank, part in enumerate(shards(prompts, stages.workers)):
-        request = RolloutRequest(part, step, greedy, samples)
-        batch = stages.worker(stages.generator, rank).run.remote(stages.generator, "generate", request)
-        refs.append(stages.worker("reward", rank).run.remote("reward", "score", batch) if part else batch)
-    return ray.get(refs, timeout=stages.timeout)
+        batch = gen.at(rank, Generator.generate, RolloutRequest(part, step, greedy, samples))
+        refs.append(reward.at(rank, Reward.score, batch) if part else batch)
+    return wait(refs, SUBMIT, stages.timeout)
 
 
 def validate(stages: Stages, prompts: list[Prompt], step: int, k: int) -> dict[str, float]:
@@ -225,16 +132,6 @@ def prompt_means(batches: list[Batch], stats: dict[str, Callable[[list[float]], 
         every = [x for v in values.values() for x in v]
         out[f"val/{name}"] = sum(every) / len(every)
     return out
-
-
-def step_inputs(stages: Stages, loader: PromptLoader, step: int, tries: int,
-                mini_prompts: int) -> tuple[list[Any], dict[str, float]]:
-    """What the step graph starts from, per rank, and driver-side metrics: RolloutRequests, or with
-    tries > 0 (DAPO's dynamic sampling) the scored batches `dynamic_sample` kept."""
-    if not tries:
-        return [RolloutRequest(s, step) for s in shards(loader.next_batch(), stages.workers)], {}
-    kept, metrics = dynamic_sample(stages, loader, step, tries)
-    return balanced_shards(kept, stages.workers, mini_prompts), metrics
 
 
 def balanced_shards(batch: Batch, workers: int, mini_prompts: int) -> list[Batch]:
@@ -275,158 +172,61 @@ def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int) 
     return kept, metrics
 
 
-def merge(results: list[dict], seconds: float, workers: int, driver: dict[str, float]) -> dict[str, float]:
-    """Mean of each rank's metrics, the driver's own, plus step timing and throughput."""
-    metrics = {k: sum(r["metrics"][k] for r in results) / len(results) for k in results[0]["metrics"]}
-    metrics.update(driver)
-    for k in results[0]["timing"]:
-        metrics[f"timing_s/{k}"] = max(r["timing"][k] for r in results)
+def merge(results: list[Update], seconds: float, workers: int) -> dict[str, float]:
+    """Mean of each rank's metrics, plus step timing and throughput."""
+    metrics = {k: sum(r.metrics[k] for r in results) / len(results) for k in results[0].metrics}
+    for k in results[0].timing:
+        metrics[f"timing_s/{k}"] = max(r.timing[k] for r in results)
     metrics["timing_s/step"] = seconds
-    tokens = sum(r["metrics"]["perf/total_num_tokens"] for r in results)
+    tokens = sum(r.metrics["perf/total_num_tokens"] for r in results)
     metrics["perf/total_num_tokens"] = tokens
     metrics["perf/throughput"] = tokens / seconds / workers
     return metrics
 
 
-TRAINED = ("actor", "critic")  # the roles whose state a checkpoint holds, where they exist
+class GRPO:
+    """GRPO and its relatives, and PPO with a critic, for the driver loop (pipelines/driver.py)."""
 
+    def __init__(self, cfg: Config, model_path: str, val_prompts: list[Prompt]) -> None:
+        self.cfg, self.model_path, self.val_prompts = cfg, model_path, val_prompts
+        self.tries = cfg.algorithm.dynamic_sampling_tries  # > 0: the driver generates and filters before the graph
 
-def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
-    tmp = checkpoint.begin(root, step)
-    ray.get([stages.worker(role, r).run.remote(role, "save", str(tmp))
-             for role in TRAINED if role in stages.roles for r in range(stages.workers)])
-    return checkpoint.commit(root, tmp, step, {"step": step, "loader": loader.state_dict(), "run_id": run_id},
-                             keep)
+    def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+        return step_graph(stages, inputs, sampled=self.tries > 0)
 
+    def launch(self) -> Stages:
+        c = self.cfg
+        return launch(c, self.model_path, reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
+                      critic=c.algorithm.advantage == "gae")
 
-# A stage's process died (OOM kill, node loss, segfault), or a wait on the workers ran past
-# trainer.step_timeout_s (a stuck kernel or collective): rebuild the workers and continue.
-WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayChannelError,
-               ray.exceptions.GetTimeoutError)
+    def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
+        """RolloutRequests, or with DAPO's dynamic sampling the scored batches it kept."""
+        if not self.tries:
+            return [RolloutRequest(s, step) for s in shards(loader.next_batch(), stages.workers)], {}
+        kept, metrics = dynamic_sample(stages, loader, step, self.tries)
+        return balanced_shards(kept, stages.workers, self.cfg.actor.mini_batch_prompts), metrics
 
+    def metrics(self, outputs: list[Update], seconds: float) -> dict[str, float]:
+        return merge(outputs, seconds, len(outputs))
 
-class Workers:
-    """Live stages restored to a checkpoint (or fresh), and the step runner over them."""
+    def samples(self, outputs: list[Update]) -> list[dict]:
+        return [s for u in outputs for s in u.samples]
 
-    def __init__(self, cfg: Config, model_path: str, ckpt: Path | None, loader: PromptLoader) -> None:
-        self.stages = Stages(cfg, model_path)
-        self.start = 0
-        loader.load_state_dict({"epoch": 0, "position": 0, "seed": cfg.trainer.seed})
-        if ckpt:
-            ray.get([self.stages.worker(role, r).run.remote(role, "load", str(ckpt))
-                     for role in TRAINED if role in self.stages.roles for r in range(self.stages.workers)])
-            self.stages.push_weights()  # split placement: the rollout pool still holds the initial weights
-            state = checkpoint.read_driver_state(ckpt)
-            loader.load_state_dict(state["loader"])
-            self.start = state["step"]
-            print(f"resumed from {ckpt} at step {self.start}")
-        self.run_step, self._release = make_runner(cfg, self.stages)
+    def validate(self, stages: Stages, step: int) -> dict[str, float]:
+        return validate(stages, self.val_prompts, step, self.cfg.trainer.val_samples)
 
-    def close(self) -> None:
-        for stop in (self._release, self.stages.shutdown):
-            try:
-                stop()
-            except Exception as e:  # a dead worker may fail its own teardown; the rest must still go
-                print(f"rlflow: ignoring {type(e).__name__} while stopping workers: {e}")
+    def headline(self, m: dict[str, float], validation: bool) -> str:
+        if validation:
+            return f"greedy score {m['val/greedy_score']:.4f}"
+        return f"reward {m['critic/score/mean']:.3f} tok/s {m['perf/throughput']:.0f}"
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
-    """The RL loop; returns the exported HF directory of the final policy."""
-    t, out = cfg.trainer, Path(cfg.trainer.output_dir)
+    """The RL run; returns the exported HF directory of the final policy."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_prompts, counts = load_prompts(files["train"], tokenizer, cfg.data.max_prompt_tokens,
                                          cfg.data.overlong_prompts)
     val_prompts, _ = load_prompts(files["val"], tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
-    val_prompts = val_prompts[:cfg.data.val_max_prompts or None]
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
-    loader = PromptLoader(train_prompts, cfg.data.prompts_per_step, t.seed)
-    root = out / "checkpoints"
-    last_ckpt = checkpoint.find_resume(root, t.resume)
-    live = Workers(cfg, model_path, last_ckpt, loader)
-    step, restarts = live.start, 0
-    bar = progress(t.progress, step, t.total_steps)
-
-    def validated(at: int) -> dict[str, float]:
-        """Held-out scores at step `at`, logged and their greedy score printed."""
-        scores = validate(live.stages, val_prompts, at, t.val_samples)
-        tracker.log_metrics(scores, step=at)
-        bar.write(f"validation at step {at}: greedy score {scores['val/greedy_score']:.4f}")
-        return scores
-
-    try:
-        while step < t.total_steps:
-            try:
-                if t.val_every and step % t.val_every == 0:  # before `begin`: not part of the step's throughput
-                    validated(step)
-                begin = time.perf_counter()
-                # Driver-side: dynamic sampling, when on, generates and filters here.
-                inputs, driver_metrics = step_inputs(live.stages, loader, step, cfg.algorithm.dynamic_sampling_tries,
-                                                     cfg.actor.mini_batch_prompts)
-                results = live.run_step(inputs)
-            except WORKER_LOST as e:
-                if restarts >= t.max_restarts:
-                    raise
-                restarts += 1
-                what = f"ran past trainer.step_timeout_s={t.step_timeout_s:g}" if isinstance(e, TimeoutError) \
-                    else "died"
-                print(f"rlflow: a worker {what} at step {step} ({type(e).__name__}); restart {restarts}/"
-                      f"{t.max_restarts} from {last_ckpt or 'the initial model'}")
-                tracker.log_metrics({"trainer/restarts": restarts}, step=step)
-                tracker.set_tags({f"restart.{restarts}": f"step {step}: {type(e).__name__}: {e}"[:500]})
-                live.close()
-                live = Workers(cfg, model_path, last_ckpt, loader)
-                step = live.start
-                continue
-            metrics = merge(results, time.perf_counter() - begin, live.stages.workers, driver_metrics)
-            check_health(metrics, t.max_consecutive_skips, last_ckpt)
-            step += 1
-            tracker.log_metrics(metrics, step=step)
-            if t.samples_every and step % t.samples_every == 0:
-                tracker.log_table([dict(s, step=step) for r in results for s in r["samples"]],
-                                  f"samples/step_{step:06d}.json")
-            if t.save_every and step % t.save_every == 0 and step < t.total_steps:
-                last_ckpt = save(live.stages, root, step, loader, tracker.run_id, t.keep_last)
-            bar.update(metrics)
-        bar.close(validated(t.total_steps))
-        ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
-        if t.log_checkpoint:
-            tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
-        export = out / "hf_model"
-        ray.get([live.stages.worker("actor", r).run.remote("actor", "export", str(export))  # collective
-                 for r in range(live.stages.workers)])
-        tracker.log_artifact(str(export), "hf_model")
-        return export
-    finally:
-        live.close()
-
-
-def check_health(metrics: dict[str, float], limit: int, last_ckpt: Path | None) -> None:
-    """Stop when the optimizer keeps refusing non-finite updates; the weights never took them."""
-    if limit and metrics["actor/consecutive_skipped_steps"] >= limit:
-        raise RuntimeError(
-            f"{int(metrics['actor/consecutive_skipped_steps'])} optimizer steps in a row had a non-finite loss "
-            f"or gradient (trainer.max_consecutive_skips={limit}); stopping. The last checkpoint is intact: "
-            f"{last_ckpt or 'none was written yet'}")
-
-
-class progress:
-    """A one-line tqdm bar: step, reward, throughput, ETA."""
-
-    def __init__(self, enabled: bool, start: int, total: int) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, initial=start, disable=not enabled, unit="step", dynamic_ncols=True)
-
-    def write(self, line: str) -> None:
-        """A line above the bar (printed as is when the bar is off)."""
-        if self.bar.disable:
-            print(line, flush=True)
-        else:
-            self.bar.write(line)
-
-    def update(self, m: dict[str, float]) -> None:
-        self.bar.set_postfix(reward=f"{m['critic/score/mean']:.3f}", tok_s=f"{m['perf/throughput']:.0f}")
-        self.bar.update(1)
-
-    def close(self, final: dict[str, float]) -> None:
-        self.bar.close()
+    loader = PromptLoader(train_prompts, cfg.data.prompts_per_step, cfg.trainer.seed)
+    return driver.run(cfg, GRPO(cfg, model_path, val_prompts[:cfg.data.val_max_prompts or None]), loader, tracker)

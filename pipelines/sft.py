@@ -7,12 +7,12 @@ a mean over every response token of the step's examples. A row holds `prompt` an
 tasks whose ground truth is the whole answer (the embedded arithmetic task). Dropped: packing
 several examples into one training row across prompts, loss on prompt tokens, NEFTune noise.
 
-One step (`sft_step`), `data.prompts_per_step` examples split into equal contiguous shards:
-    examples -> actor.sft_update (one optimizer step, collective over the data-parallel ranks)
+One step (`step_graph`), `data.prompts_per_step` examples split into equal contiguous shards:
+    examples -> policy.sft_update (one optimizer step, collective over the data-parallel ranks)
 compiled into a Ray compiled graph (`trainer.dag=compiled`) or run as `.remote()` calls (`plain`).
 `actor.mini_batch_prompts` and `actor.ppo_epochs` do not apply: one step is one optimizer step.
-Validation (`val/sft/loss`, the mean response-token NLL of `data.val_files`), checkpoints and
-logging stay in the driver, between executions.
+Validation (`val/sft/loss`, the mean response-token NLL of `data.val_files`), checkpoints,
+restarts and logging are the driver loop's (pipelines/driver.py), between executions.
 
 The warm start (`supervised`) runs the same step on one worker for `warmstart.steps` steps of
 `warmstart.batch_size` examples at a constant `warmstart.lr`, without validation or checkpoints.
@@ -32,23 +32,23 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import ray
 from transformers import AutoTokenizer
 
 from engine.config import Config
 from engine.data import Example, PromptLoader, load_examples
 from engine.tracking import Tracker
-from pipelines.driver import Stages, even_cut, make_runner, run
+from pipelines import driver
+from pipelines.runtime import SUBMIT, Runner, Stages, launch, wait
+from stages.actor import ActorRollout
 
 
-def step_graph(stages: Stages, inputs: list[Any], call: Callable, verb: str = "sft_update") -> list[Any]:
-    """One call per rank; `call` binds (compiled DAG) or submits (plain). `verb`: sft_update or sft_eval."""
-    return [call(stages.worker("actor", rank).run, "actor", verb, shard) for rank, shard in enumerate(inputs)]
+def step_graph(stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+    """One optimizer step: every rank's shard, together."""
+    return [stages.policy.at(rank, ActorRollout.sft_update, shard) for rank, shard in enumerate(inputs)], []
 
 
 def shard(examples: list[Example], workers: int) -> list[list[Example]]:
@@ -57,21 +57,46 @@ def shard(examples: list[Example], workers: int) -> list[list[Example]]:
     return [examples[i * size:(i + 1) * size] for i in range(workers)]
 
 
-def sft_step(run_step: Callable[[list[Any]], list[dict]], examples: list[Example], workers: int) -> dict[str, float]:
-    """One optimizer step on `examples`: `sft/*` (the same on every rank after the all-reduce), its time
-    and tokens/s/GPU."""
-    begin = time.perf_counter()
-    metrics = run_step(shard(examples, workers))[0]
-    seconds = time.perf_counter() - begin
-    tokens = sum(len(p) + len(r) for p, r in examples)
-    return {**metrics, "timing_s/step": seconds, "perf/throughput": tokens / seconds / workers}
+def step_metrics(outputs: list[dict[str, float]], seconds: float, tokens: int, workers: int) -> dict[str, float]:
+    """`sft/*` (the same on every rank after the all-reduce), the step's time and tokens/s/GPU."""
+    return {**outputs[0], "timing_s/step": seconds, "perf/throughput": tokens / seconds / workers}
 
 
-def validate(stages: Stages, shards: list[list[Example]]) -> dict[str, float]:
-    """`val/sft/loss`: the mean response-token NLL over every rank's held-out examples."""
-    submit = lambda method, *args: method.remote(*args)  # noqa: E731
-    results = ray.get(step_graph(stages, shards, submit, "sft_eval"), timeout=stages.timeout)
-    return {"val/sft/loss": sum(r["nll"] for r in results) / sum(r["tokens"] for r in results)}
+class SFT:
+    """Supervised fine-tuning for the driver loop (pipelines/driver.py)."""
+
+    def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+        return step_graph(stages, inputs)
+
+    def __init__(self, cfg: Config, model_path: str, val: list[list[Example]]) -> None:
+        self.cfg, self.model_path, self.val = cfg, model_path, val
+        self.tokens = 0  # of the step in flight, for its throughput
+
+    def launch(self) -> Stages:
+        return launch(self.cfg, self.model_path, reward=False, generates=False)
+
+    def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
+        examples = loader.next_batch()
+        self.tokens = sum(len(p) + len(r) for p, r in examples)
+        return shard(examples, stages.workers), {}
+
+    def metrics(self, outputs: list[dict[str, float]], seconds: float) -> dict[str, float]:
+        return step_metrics(outputs, seconds, self.tokens, len(outputs))
+
+    def samples(self, outputs: list[Any]) -> list[dict]:
+        return []
+
+    def validate(self, stages: Stages, step: int) -> dict[str, float]:
+        """`val/sft/loss`: the mean response-token NLL over every rank's held-out examples."""
+        policy = stages.policy.bound(SUBMIT)
+        results = wait([policy.at(r, ActorRollout.sft_eval, part) for r, part in enumerate(self.val)], SUBMIT,
+                       stages.timeout)
+        return {"val/sft/loss": sum(r["nll"] for r in results) / sum(r["tokens"] for r in results)}
+
+    def headline(self, m: dict[str, float], validation: bool) -> str:
+        if validation:
+            return f"loss {m['val/sft/loss']:.4f}"
+        return f"loss {m['sft/loss']:.4f} grad_norm {m['sft/grad_norm']:.3f} tok/s/gpu {m['perf/throughput']:.0f}"
 
 
 def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Example], dict[str, int]]:
@@ -87,19 +112,15 @@ def sft_config(cfg: Config) -> Config:
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
-    """The SFT loop; returns the exported HF directory of the final policy."""
+    """The SFT run; returns the exported HF directory of the final policy."""
     cfg = sft_config(cfg)
-    t, workers = cfg.trainer, cfg.placement.workers
+    workers = cfg.placement.workers
     examples, counts = load(cfg, model_path, files["train"])
     val_examples = load(cfg, model_path, files["val"])[0][:cfg.data.val_max_prompts or None]
-    val_examples, counts["val_left_out"] = even_cut(val_examples, workers, "validation examples")
-    val = shard(val_examples, workers)
+    val_examples, counts["val_left_out"] = driver.even_cut(val_examples, workers, "validation examples")
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
-    loader = PromptLoader(examples, cfg.data.prompts_per_step, t.seed)
-    stages = Stages(cfg, model_path, reference=False)
-    return run(cfg, stages, step_graph, loader, tracker, lambda run_step, batch: sft_step(run_step, batch, workers),
-               lambda: validate(stages, val), lambda m: f"loss {m['sft/loss']:.4f} grad_norm "
-               f"{m['sft/grad_norm']:.3f} tok/s/gpu {m['perf/throughput']:.0f}")
+    loader = PromptLoader(examples, cfg.data.prompts_per_step, cfg.trainer.seed)
+    return driver.run(cfg, SFT(cfg, model_path, shard(val_examples, workers)), loader, tracker)
 
 
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
@@ -121,13 +142,16 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
         data=replace(cfg.data, prompts_per_step=w.batch_size), placement=replace(cfg.placement, workers=1),
         trainer=replace(cfg.trainer, total_steps=w.steps)))
     rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them
-    stages = Stages(ws_cfg, model_path, reference=False)
-    release: Callable = lambda: None  # noqa: E731
+    stages = launch(ws_cfg, model_path, reward=False, generates=False)
+    run_step: Runner | None = None
     try:
-        run_step, release = make_runner(ws_cfg, stages, step_graph)
+        run_step = Runner(stages, step_graph, ws_cfg.trainer.dag)
         every, since = max(1, w.steps // 10), time.perf_counter()  # ten lines a warm start: a long one shows it moves
         for step in range(w.steps):
-            metrics = sft_step(run_step, rng.sample(examples, w.batch_size), 1)
+            begin = time.perf_counter()
+            batch = rng.sample(examples, w.batch_size)
+            metrics = step_metrics(run_step([batch]), time.perf_counter() - begin,
+                                   sum(len(p) + len(r) for p, r in batch), 1)
             if step % 10 == 0 or step == w.steps - 1:
                 tracker.log_metrics({f"warmstart/{k[4:]}": v for k, v in metrics.items() if k.startswith("sft/")},
                                     step=step)
@@ -138,9 +162,10 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
                 since = now
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        stages.actors("export", str(tmp))
+        stages.policy.all(ActorRollout.export, str(tmp))
         os.replace(tmp, target)
     finally:
-        release()
+        if run_step is not None:
+            run_step.close()
         stages.shutdown()
     return str(target)

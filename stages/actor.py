@@ -45,7 +45,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from engine import algos, checkpoint
-from engine.batch import Batch, RolloutRequest
+from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
 from engine.native_model import to_device
 from engine.reshard import WeightBroadcast, push_weights, weight_shapes, weight_sync
@@ -139,10 +139,13 @@ class ActorRollout:
         self.link = WeightBroadcast(host, port, 0, size, self.weight_plan(), getattr(torch, self.cfg.rollout.dtype),
                                     self.engine.device)
 
-    def push_weights(self, after: object = None) -> int:
+    def push_weights(self, update: Update | None) -> int:
         """Every actor rank, with every rollout rank's `pull_weights`: the current weights and
-        their version (returned) to the rollout pool. `after` is the step-graph edge that orders
-        it after the update."""
+        their version (returned) to the rollout pool; those of `update`, which this rank just made,
+        or (None) those a checkpoint load set."""
+        if update is not None and update.weight_version != self.weight_version:
+            raise RuntimeError(f"asked to push weights version {update.weight_version}, but this rank holds "
+                               f"version {self.weight_version}")
         push_weights(self.engine.model, self.link, self.weight_version)
         return self.weight_version
 
@@ -202,7 +205,7 @@ class ActorRollout:
         batch.timing["adv"] = time.perf_counter() - start
         return batch
 
-    def update(self, batch: Batch) -> dict:
+    def update(self, batch: Batch) -> Update:
         """PPO-clip epochs over mini-batches; returns the step's metrics, timings and samples.
 
         While the critic warms up there is no update, and no actor/ loss metrics for the step."""
@@ -220,8 +223,7 @@ class ActorRollout:
         metrics["actor/skipped_steps"] = self.engine.skipped_steps
         metrics["actor/consecutive_skipped_steps"] = self.engine.consecutive_skips
         metrics["rollout/weight_version"] = batch.weight_version
-        return {"metrics": {**batch_metrics(batch), **metrics}, "timing": batch.timing,
-                "samples": samples(batch, 4)}
+        return Update({**batch_metrics(batch), **metrics}, batch.timing, samples(batch, 4), self.weight_version)
 
     def _group_batches(self, batch: Batch) -> tuple[list[Batch], int]:
         """The batches of this rank's SP group in rank order (just `batch` without sequence

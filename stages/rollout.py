@@ -29,7 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import vmm
-from engine.batch import Batch, RolloutRequest
+from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
 from engine.native_model import TP
 from engine.reshard import WeightBroadcast
@@ -120,9 +120,11 @@ class Rollout:
         dtype = getattr(torch, self.cfg.rollout.dtype)
         self.link = WeightBroadcast(host, port, 1 + self.rank, size, shapes, dtype, self.device)
 
-    def pull_weights(self, after: object = None) -> int:
-        """Take the trainer's weights (every rollout rank, with every actor rank's `push_weights`);
-        returns their version. `after` is the step-graph edge that orders it after the update."""
+    def pull_weights(self, update: Update | None) -> int:
+        """Take the trainer's weights (every rollout rank, with every actor rank's `push_weights`):
+        those of `update`, or (None) those a checkpoint load set; returns their version."""
         assert self.link is not None, "connect first"
         self.weight_version = self.link.receive(self.engine)
+        if update is not None and update.weight_version != self.weight_version:
+            raise RuntimeError(f"expected weights version {update.weight_version}, received {self.weight_version}")
         return self.weight_version

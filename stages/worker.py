@@ -1,8 +1,9 @@
 """A worker process that hosts one or more stages; roles placed in one pool share it.
 
 The pipeline makes this class a Ray actor (`ray.remote(...)(StageWorker)`) on a placement-group
-bundle and reaches every stage verb through `run(role, verb, *args)`, both when binding a
-compiled graph and when calling `.remote()` directly. Tests use it in-process.
+bundle; its typed stage handles (pipelines/runtime.py) reach every stage verb through
+`run(stage class name, verb name, *args)`, when binding a compiled graph, when calling
+`.remote()` directly, and in-process in tests.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ class StageWorker:
         torch.set_num_threads(threads)
         self.stages: dict[str, Any] = {}
 
-    def add(self, role: str, cls: type, kwargs: dict[str, Any]) -> None:
-        self.stages[role] = cls(**kwargs)
+    def add(self, cls: type, kwargs: dict[str, Any]) -> None:
+        """Build stage `cls` here; calls reach it by its class's name."""
+        self.stages[cls.__name__] = cls(**kwargs)
 
-    def run(self, role: str, verb: str, *args: Any) -> Any:
-        return getattr(self.stages[role], verb)(*args)
+    def run(self, stage: str, verb: str, *args: Any) -> Any:
+        return getattr(self.stages[stage], verb)(*args)
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port, for rank 0 to host the process group."""

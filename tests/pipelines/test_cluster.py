@@ -128,8 +128,7 @@ def test_pool_spreads_ranks_over_nodes_in_node_order(cluster, monkeypatch):
     import ray
     from ray import cloudpickle
 
-    from engine.placement import Pool
-    from stages.worker import StageWorker
+    from pipelines.runtime import build, start_pool
 
     c = cluster(nodes=2, cpus=2)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
@@ -137,15 +136,15 @@ def test_pool_spreads_ranks_over_nodes_in_node_order(cluster, monkeypatch):
     ray.init(address=f"127.0.0.1:{c.port}", logging_level="ERROR")
     try:
         driver_node = ray.get_runtime_context().get_node_id()
-        pool = Pool("probe", StageWorker, size=4, gpus=0.0, threads=1, timeout_s=60)
+        pool = start_pool("probe", 4, gpus=0.0, threads=1, group=True, timeout_s=60)
         assert len(pool.groups) == 2  # one STRICT_PACK group per node
-        pool.add("probe", Probe, lambda r: {"rank": r})
-        where = ray.get([w.run.remote("probe", "where") for w in pool.workers])
+        probes = build(Probe, pool, lambda r: {"rank": r}, timeout=60)
+        where = probes.all(Probe.where)
         assert [r for r, _ in where] == [0, 1, 2, 3]
         nodes = [n for _, n in where]
         assert nodes[0] == nodes[1] == driver_node != nodes[2] == nodes[3]
         # the process group spans both nodes: 1 + 2 + 3 + 4 on every rank
-        assert ray.get([w.run.remote("probe", "all_reduce") for w in pool.workers]) == [10.0] * 4
+        assert probes.all(Probe.all_reduce) == [10.0] * 4
         pool.shutdown()
     finally:
         ray.shutdown()

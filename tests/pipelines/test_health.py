@@ -1,6 +1,6 @@
 import pytest
 
-from pipelines.grpo import check_health
+from pipelines.driver import check_health
 
 
 def test_repeated_non_finite_steps_stop_the_run_naming_the_intact_checkpoint(tmp_path):

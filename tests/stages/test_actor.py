@@ -43,13 +43,13 @@ def test_one_grpo_step_through_the_verbs(model_dir, data_files, tmp_path, backen
     assert torch.all(batch.advantages[batch.response_mask == 0] == 0)
     out = actor.update(batch)
 
-    m = out["metrics"]
+    m = out.metrics
     for key in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "actor/pg_clipfrac", "actor/grad_norm",
                 "actor/kl_loss", "critic/score/mean", "response_length/mean", "prompt_length/mean"):
         assert key in m and m[key] == m[key], key
-    assert set(out["timing"]) == {"gen", "switch", "reward", "ref", "old_log_prob", "adv", "update_actor", "reshard"}
-    assert out["timing"]["reshard"] == 0 and m["perf/reshard_gb_from_peers"] == 0  # one rank: nothing crosses a link
-    assert out["samples"][0]["prompt"].endswith("=")
+    assert set(out.timing) == {"gen", "switch", "reward", "ref", "old_log_prob", "adv", "update_actor", "reshard"}
+    assert out.timing["reshard"] == 0 and m["perf/reshard_gb_from_peers"] == 0  # one rank: nothing crosses a link
+    assert out.samples[0]["prompt"].endswith("=")
     changed = [k for k, v in actor.engine.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed, "the update must change the policy"
     # the rollout engine samples from the updated weights: its logprobs match the trainer's again
@@ -152,7 +152,7 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
                                                share_prompts=share))
         actor.engine.model.load_state_dict(start)
         actor.weight_version = batch.weight_version  # rewound by hand to the weights that generated the batch
-        m = actor.update(batch.rows(slice(None)))["metrics"]
+        m = actor.update(batch.rows(slice(None))).metrics
         results.append((m["actor/pg_loss"], m["training/rollout_probs_diff_max"],
                         [p.grad.clone() for p in actor.engine.model.parameters()]))
     # recomputed old logprobs (what a second epoch or mini-batch would use) give the same update
@@ -161,7 +161,7 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
     recomputed = batch.rows(slice(None))
     recomputed.old_logprobs, _ = response_logprobs(actor.engine.root, *recomputed.sequences(), recomputed.response_ids,
                                                    cfg.rollout.temperature, 1024, group_size=2)  # shared prompts
-    m = actor.update(recomputed)["metrics"]
+    m = actor.update(recomputed).metrics
     results.append((m["actor/pg_loss"], results[0][1], [p.grad.clone() for p in actor.engine.model.parameters()]))
     for loss, mismatch, grads in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-5, abs=1e-8)
@@ -242,7 +242,7 @@ def _sp_actor_worker(rank: int, world: int, port: int, overrides: list, model_di
     batch: Batch = torch.load(batch_file, weights_only=False)
     half = len(batch) // world
     mine = actor.logprobs(batch.rows(slice(rank * half, (rank + 1) * half)))
-    metrics = actor.update(mine)["metrics"]
+    metrics = actor.update(mine).metrics
     torch.save({"old": mine.old_logprobs, "metrics": metrics}, f"{out}.{rank}")
     dist.destroy_process_group()
 

@@ -26,7 +26,7 @@ def test_grpo_step_on_gpu_in_bf16(model_dir, data_files, tmp_path):
     before = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
     batch = actor.logprobs(reward.score(actor.generate(RolloutRequest(prompts[:16], step=0))))
     out = actor.update(actor.advantages(batch))
-    m = out["metrics"]
+    m = out.metrics
     # on-policy, the update's forward measures it: bf16 generate and bf16 training forward differ
     # only by kernel rounding
     assert m["training/rollout_probs_diff_mean"] < 0.02

@@ -130,10 +130,10 @@ def test_gae_advantages_are_whitened_and_returns_are_the_critics_targets(model_d
     # step 0 < critic.warmup_steps: the critic learns, the policy does not move
     policy = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
     out = actor.update(critic.update(batch))
-    assert "critic/vf_loss" in out["metrics"] and "actor/pg_loss" not in out["metrics"]
+    assert "critic/vf_loss" in out.metrics and "actor/pg_loss" not in out.metrics
     assert all(torch.equal(v, policy[k]) for k, v in actor.engine.model.state_dict().items())
     batch = actor.advantages(critic.values(actor.logprobs(reward.score(actor.generate(
         RolloutRequest(prompts[:4], step=1))))))
     out = actor.update(critic.update(batch))
-    assert "actor/pg_loss" in out["metrics"]
+    assert "actor/pg_loss" in out.metrics
     assert any(not torch.equal(v, policy[k]) for k, v in actor.engine.model.state_dict().items())

@@ -1,0 +1,309 @@
+"""The stage runtime: typed handles to the stages on their worker pools, one step runner for
+compiled and plain execution, and collective calls that every pipeline shares.
+
+A pipeline names a stage verb by the stage class's own method, so mypy checks its name, arity
+and argument types as if the call were direct:
+
+    batch = stages.reward.at(rank, Reward.score, batch)
+
+How the call runs depends on how the handles are bound (`Stages.bound`):
+- `BIND`: a node of a Ray compiled graph, built once and executed every step;
+- `SUBMIT`: a `.remote()` call, whose value is an ObjectRef;
+- `LOCAL`: the stage instance in this process runs it (tests; no Ray), and the value is the result.
+With BIND and SUBMIT the value a call returns is a future of the declared type, which only the
+runner reads. Role and verb names never appear as strings: a worker finds a stage by its class's
+name and a verb by the method's name.
+
+Invariants:
+- a collective verb (save, load, export, update) is called on every rank of its group together
+  (`Group.all`), and every wait on the workers is bounded by `trainer.step_timeout_s`;
+- a split rollout pool gets the trainer's weights only through `WeightSync`: the step graph never
+  asks where the rollout runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+
+import ray
+
+from engine.batch import Batch, RolloutRequest
+from engine.config import Config
+from engine.placement import Pool
+from stages.worker import StageWorker
+
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S", covariant=True)
+T = TypeVar("T")
+
+Call = Callable[[Any, str, str, tuple], Any]  # (worker, stage key, verb name, args) -> value or future
+BIND: Call = lambda w, key, verb, args: w.run.bind(key, verb, *args)  # noqa: E731
+SUBMIT: Call = lambda w, key, verb, args: w.run.remote(key, verb, *args)  # noqa: E731
+LOCAL: Call = lambda w, key, verb, args: w.run(key, verb, *args)  # noqa: E731
+
+# A stage's process died (OOM kill, node loss, segfault), or a wait on the workers ran past
+# trainer.step_timeout_s (a stuck kernel or collective): the driver rebuilds the workers.
+WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayChannelError,
+               ray.exceptions.GetTimeoutError)
+
+
+class Group(Generic[S]):
+    """One stage class on every rank of a pool; `at` and `all` call its verbs."""
+
+    def __init__(self, cls: type, workers: Sequence[Any], call: Call, timeout: float) -> None:
+        self.key, self.workers, self.call, self.timeout = cls.__name__, list(workers), call, timeout
+
+    @property
+    def size(self) -> int:
+        return len(self.workers)
+
+    def bound(self, call: Call) -> Group[S]:
+        out = copy.copy(self)
+        out.call = call
+        return out
+
+    def at(self, rank: int, verb: Callable[Concatenate[S, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`verb(*args)` on rank `rank`'s stage; a future of its result unless bound LOCAL."""
+        assert not kwargs, "stage verbs take positional arguments (a compiled graph binds no keywords)"
+        return self.call(self.workers[rank], self.key, verb.__name__, args)
+
+    def all(self, verb: Callable[Concatenate[S, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """`verb(*args)` on every rank together (a collective verb), waited for; the results by rank."""
+        assert not kwargs, "stage verbs take positional arguments"
+        return wait([self.call(w, self.key, verb.__name__, args) for w in self.workers], self.call, self.timeout)
+
+
+def wait(values: list[Any], call: Call, timeout: float) -> list[Any]:
+    """The results of `values`: futures are read (at most `timeout` seconds), local results are themselves."""
+    return values if call is LOCAL else ray.get(values, timeout=timeout)
+
+
+class Generator(Protocol):
+    """What generates: the policy's own rollout engine (colocated) or a rollout pool (split)."""
+
+    def generate(self, request: RolloutRequest) -> Batch: ...
+
+
+class Stateful(Protocol):
+    """What a checkpoint holds a part of; both verbs are collective over the group's ranks."""
+
+    def save(self, directory: str) -> None: ...
+
+    def load(self, directory: str) -> None: ...
+
+
+class WeightSync(Protocol):
+    """How the trainer's new weights reach the engine that generates. Colocated, the engine takes
+    them itself when it next generates (`engine.reshard`), so both calls add nothing; split, the
+    trainer ranks broadcast them to the rollout pool (`Broadcast`)."""
+
+    def after_update(self, updates: list[Any]) -> list[Any]:
+        """Graph nodes that move the weights of `updates` (each rank's update result): waited for, not read."""
+        ...
+
+    def after_load(self) -> None:
+        """Move the weights a checkpoint load gave the trainer, from the driver."""
+        ...
+
+    def bound(self, call: Call) -> WeightSync: ...
+
+
+class InPlace:
+    """Colocated: the policy's rollout engine reshards the trainer's weights in place when it next generates."""
+
+    def after_update(self, updates: list[Any]) -> list[Any]:
+        return []
+
+    def after_load(self) -> None:
+        pass
+
+    def bound(self, call: Call) -> InPlace:
+        return self
+
+
+@dataclass
+class Broadcast:
+    """Split: after every update every trainer rank pushes and every rollout rank pulls, together."""
+
+    sender: Group[Any]  # the policy's trainer ranks (stages.actor.ActorRollout)
+    receiver: Group[Any]  # the rollout pool (stages.rollout.Rollout)
+
+    def after_update(self, updates: list[Any]) -> list[Any]:
+        from stages.actor import ActorRollout
+        from stages.rollout import Rollout
+
+        return ([self.sender.at(r, ActorRollout.push_weights, u) for r, u in enumerate(updates)] +
+                [self.receiver.at(r, Rollout.pull_weights, u) for r, u in enumerate(updates)])
+
+    def after_load(self) -> None:
+        from stages.actor import ActorRollout
+        from stages.rollout import Rollout
+
+        submit = [self.sender.bound(SUBMIT), self.receiver.bound(SUBMIT)]
+        wait([submit[0].at(r, ActorRollout.push_weights, None) for r in range(submit[0].size)] +
+             [submit[1].at(r, Rollout.pull_weights, None) for r in range(submit[1].size)],
+             SUBMIT, self.sender.timeout)
+
+    def bound(self, call: Call) -> Broadcast:
+        return Broadcast(self.sender.bound(call), self.receiver.bound(call))
+
+
+@dataclass
+class Stages:
+    """The typed handles of one job's stages; the pipeline's step graph reads only these."""
+
+    policy: Group[Any]  # stages.actor.ActorRollout: trains the policy (and, colocated, generates)
+    generator: Group[Generator]  # the policy itself (colocated) or the rollout pool (split)
+    sync: WeightSync
+    reward: Group[Any] | None = None  # stages.reward.Reward
+    reference: Group[Any] | None = None  # stages.reference.Reference
+    critic: Group[Any] | None = None  # stages.critic.Critic
+    pools: list[Pool] = field(default_factory=list)
+
+    @property
+    def workers(self) -> int:
+        return self.policy.size
+
+    @property
+    def timeout(self) -> float:
+        return self.policy.timeout
+
+    def stateful(self) -> list[Group[Stateful]]:
+        """The groups whose state a checkpoint holds."""
+        return [g for g in (self.policy, self.critic) if g is not None]
+
+    def bound(self, call: Call) -> Stages:
+        """The same stages, their verbs called through `call` (BIND, SUBMIT or LOCAL)."""
+        def rebind(g: Any) -> Any:
+            return g.bound(call) if g is not None else None
+        return dataclasses.replace(self, **{f.name: rebind(getattr(self, f.name))
+                                            for f in dataclasses.fields(self) if f.name != "pools"})
+
+    def save(self, directory: str) -> None:
+        for group in self.stateful():
+            group.all(Stateful.save, directory)
+
+    def load(self, directory: str) -> None:
+        for group in self.stateful():
+            group.all(Stateful.load, directory)
+        self.sync.after_load()  # split: the rollout pool still holds the weights it was built with
+
+    def shutdown(self) -> None:
+        for pool in self.pools:
+            pool.shutdown()
+
+
+def launch(cfg: Config, model_path: str, *, reward: bool = True, reference: bool = False, critic: bool = False,
+           generates: bool = True, workers: int | None = None) -> Stages:
+    """Start the worker pools and build each stage on its pool, as `placement` lays them out.
+
+    Colocated stages share the "hybrid" pool (one process per rank); a stage listed in
+    `placement.own_pool` gets a pool of its own. `generates=False` (SFT, DPO, the warm start)
+    builds no rollout engine."""
+    from stages.actor import ActorRollout
+    from stages.critic import Critic
+    from stages.reference import Reference
+    from stages.reward import Reward
+    from stages.rollout import Rollout
+
+    p = cfg.placement
+    n = workers or p.workers
+    device = "cuda" if p.gpus_per_worker else "cpu"
+    timeout = cfg.trainer.step_timeout_s  # every wait on the workers; ray.get's compiled-graph default is 10 s
+    split = generates and "rollout" in p.own_pool
+    pools: dict[str, Pool] = {}
+
+    def place(cls: type, own: str, kwargs: Callable[[int], dict]) -> Group[Any]:
+        where = own if own in p.own_pool else "hybrid"
+        if where not in pools:
+            gpus = 0.0 if where == "reward" and not cfg.reward.model else p.gpus_per_worker  # rule rewards: no GPU
+            # a split rollout pool needs a process group only to generate tensor parallel; vLLM refuses one
+            group = n > 1 and (where != "rollout" or cfg.rollout.tp > 1)
+            pools[where] = start_pool(where, n, gpus, p.torch_threads, group)
+        return build(cls, pools[where], kwargs, timeout)
+
+    trained = dict(cfg=cfg, model_path=model_path, world=n, device=device)
+    policy = place(ActorRollout, "actor", lambda r: dict(trained, rank=r, generates=generates))
+    stages = Stages(policy=policy, generator=policy, sync=InPlace())
+    if reward:
+        stages.reward = place(Reward, "reward", lambda r: dict(cfg=cfg, device=device))
+    if reference:
+        stages.reference = place(Reference, "reference", lambda r: dict(cfg=cfg, model_path=model_path,
+                                                                        device=device))
+    if critic:
+        stages.critic = place(Critic, "critic", lambda r: dict(trained, rank=r))
+    if split:
+        rollout = place(Rollout, "rollout", lambda r: dict(trained, rank=r))
+        connect(policy, rollout, timeout)
+        stages.generator, stages.sync = rollout, Broadcast(policy, rollout)
+    stages.pools = list(pools.values())
+    return stages
+
+
+def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, timeout_s: float = 120.0) -> Pool:
+    """A pool of StageWorkers; with `group`, its ranks join one torch.distributed group."""
+    pool = Pool(name, StageWorker, size, gpus, threads, timeout_s)
+    if group:
+        host, port = ray.get(pool.workers[0].address.remote())
+        ray.get([w.init_process_group.remote(host, port) for w in pool.workers])
+    return pool
+
+
+def build(cls: type[T], pool: Pool, kwargs: Callable[[int], dict], timeout: float) -> Group[T]:
+    """Stage `cls` built on every worker of `pool` (`kwargs(rank)` its arguments), and its handle."""
+    ray.get([w.add.remote(cls, kwargs(r)) for r, w in enumerate(pool.workers)])
+    return Group(cls, pool.workers, SUBMIT, timeout)
+
+
+def connect(policy: Group[Any], rollout: Group[Any], timeout: float) -> None:
+    """Split placement: trainer rank 0 hosts the weight group and every rollout rank joins it, all at once."""
+    from stages.actor import ActorRollout
+    from stages.rollout import Rollout
+
+    host, port = ray.get(policy.workers[0].address.remote())
+    plan = wait([policy.at(0, ActorRollout.weight_plan)], SUBMIT, timeout)[0]
+    size = rollout.size + 1
+    wait([policy.at(0, ActorRollout.connect_rollout, host, port, size)] +
+         [rollout.at(r, Rollout.connect, host, port, size, plan) for r in range(rollout.size)], SUBMIT, timeout)
+
+
+Graph = Callable[[Stages, list[Any]], tuple[list[Any], list[Any]]]
+"""A step's dataflow: (stages bound to a call mode, per-rank inputs) -> (outputs the driver
+reads, one per rank; further nodes that must finish, not read)."""
+
+
+class Runner:
+    """Runs one step of `graph` on the stages: a compiled Ray graph (compiled once here), chained
+    `.remote()` calls (plain), or in-process calls (local, for tests); the same verbs in the same
+    order in every mode, so a seed gives identical metrics."""
+
+    def __init__(self, stages: Stages, graph: Graph, mode: str) -> None:
+        self.stages, self.graph, self.mode = stages, graph, mode
+        self.compiled: Any = None
+        if mode == "compiled":
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as inp:
+                outputs, waits = graph(stages.bound(BIND), [inp[r] for r in range(stages.workers)])
+                self.outputs = len(outputs)
+                dag = MultiOutputNode(outputs + waits)
+            self.compiled = dag.experimental_compile(_submit_timeout=stages.timeout)
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        """Each rank's output of one step."""
+        if self.compiled is not None:
+            return ray.get(self.compiled.execute(*inputs), timeout=self.stages.timeout)[:self.outputs]
+        call = LOCAL if self.mode == "local" else SUBMIT
+        outputs, waits = self.graph(self.stages.bound(call), inputs)
+        return wait(outputs + waits, call, self.stages.timeout)[:len(outputs)]
+
+    def close(self, lost: bool = False) -> None:
+        """Tear the compiled graph down; `lost`: a worker died or hangs, so kill the workers rather
+        than wait for their graph loops (a stopped process would never answer)."""
+        if self.compiled is not None:
+            self.compiled.teardown(kill_actors=lost)

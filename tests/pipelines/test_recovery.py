@@ -1,0 +1,64 @@
+"""Every pipeline survives a worker that dies (SIGKILL) or hangs (SIGSTOP: a process that never
+answers again, as a stuck kernel or collective leaves it): the driver rebuilds the workers from
+the last checkpoint and the run finishes. The real CLI, a real local Ray cluster, real MLflow."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_e2e import BIN, ROOT, env, only_run
+
+from engine import task
+
+pytestmark = pytest.mark.slow
+
+
+def command(job: str, tmp_path: Path) -> list[str]:
+    """A job long enough (many small steps) that a fault lands mid-run, checkpointing every 2 steps."""
+    common = ["trainer.save_every=2", "trainer.max_restarts=1", "trainer.step_timeout_s=15", "trainer.val_every=0",
+              "data.val_max_prompts=8", f"trainer.output_dir={tmp_path}/out"]
+    if job == "sft":
+        data = task.build_data(tmp_path / "data", n_train=16, n_val=1, seed=3)["train"]
+        return [str(BIN / "rlflow"), "sft", str(ROOT / "conf" / "sft.yaml"), f"data.train_files=[{data}]",
+                "data.prompts_per_step=8", "actor.mini_batch_prompts=8", "trainer.total_steps=120", *common]
+    data = task.build_pairs(tmp_path / "pairs", n_train=16, n_val=1, seed=3)["train"]
+    return [str(BIN / "rlflow"), "dpo", str(ROOT / "conf" / "dpo.yaml"), f"data.train_files=[{data}]",
+            "data.prompts_per_step=8", "actor.mini_batch_prompts=8", "warmstart.steps=0", "trainer.total_steps=80",
+            *common]
+
+
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+@pytest.mark.parametrize("job", ["sft", "dpo"])
+def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path):
+    cmd = command(job, tmp_path)
+    proc = subprocess.Popen(cmd, env=env(tmp_path), cwd=tmp_path, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        marker = tmp_path / "out" / "checkpoints" / "step_000002" / "COMPLETE"
+        deadline = time.time() + 300
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "StageWorker" in " ".join(p.cmdline())]
+        assert workers, "no stage worker process found"
+        for p in workers:
+            p.send_signal(fault)
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    what = "died" if fault == signal.SIGKILL else "ran past trainer.step_timeout_s=15"
+    assert f"a worker {what}" in output and "restart 1/1 from" in output, output[-3000:]
+    client, run = only_run(tmp_path)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
+    total = int(next(a for a in cmd if a.startswith("trainer.total_steps=")).split("=")[1])
+    key = "sft/loss" if job == "sft" else "dpo/loss"
+    assert max(m.step for m in client.get_metric_history(run.info.run_id, key)) == total
+    assert run.info.status == "FINISHED" and (tmp_path / "out" / "hf_model" / "config.json").is_file()
