@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from engine.batch import Batch
 from engine.config import Config
-from engine.data import Pair, PromptLoader, load_pairs, pairs_batch
+from engine.data.prompts import Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
 from pipelines.driver import Stages, even_cut, run
 from pipelines.sft import supervised

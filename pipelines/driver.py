@@ -16,7 +16,7 @@ import ray
 
 from engine import checkpoint
 from engine.config import Config
-from engine.data import PromptLoader
+from engine.data.prompts import PromptLoader
 from engine.placement import Pool
 from engine.tracking import Tracker
 from stages.actor import ActorRollout

@@ -48,10 +48,10 @@ from transformers import AutoTokenizer
 from engine import algos, checkpoint
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
-from engine.data import Prompt, PromptLoader, load_prompts
+from engine.data.prompts import Prompt, PromptLoader, load_prompts
 from engine.placement import Pool
 from engine.tracking import Tracker
-from engine.train import balance
+from engine.train.fsdp import balance
 from stages.actor import ActorRollout
 from stages.critic import Critic
 from stages.reference import Reference

@@ -41,7 +41,7 @@ import ray
 from transformers import AutoTokenizer
 
 from engine.config import Config
-from engine.data import Example, PromptLoader, load_examples
+from engine.data.prompts import Example, PromptLoader, load_examples
 from engine.tracking import Tracker
 from pipelines.driver import Stages, even_cut, make_runner, run
 

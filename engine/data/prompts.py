@@ -29,8 +29,8 @@ import datasets
 import numpy as np
 import torch
 
-from engine import task
 from engine.batch import Batch
+from engine.data import task
 
 log = logging.getLogger("rlflow.data")
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
