@@ -17,7 +17,7 @@ Invariants:
 - ``dst`` is never left partial: rows go to a temporary file beside it, moved into place by
   ``os.replace`` only once all are written.
 
-Run its tests with ``python -m pytest tests/engine/test_convert.py -q``.
+Run its tests with ``python -m pytest tests/engine/data/test_convert.py -q``.
 """
 
 from __future__ import annotations

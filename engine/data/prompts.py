@@ -14,7 +14,7 @@ Invariants:
 - ``PromptLoader`` order is a pure function of (seed, epoch, position): saving and loading its
   ``state_dict`` resumes the exact batch sequence.
 
-Run its tests with ``python -m pytest tests/engine/test_data.py -q``.
+Run its tests with ``python -m pytest tests/engine/data/test_data.py -q``.
 """
 
 from __future__ import annotations

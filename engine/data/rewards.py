@@ -16,7 +16,7 @@ Invariants:
   Built-in scorers are ours and bounded (python_exec has its own subprocess timeout), so they are
   called directly.
 
-Run its tests with ``python -m pytest tests/engine/test_rewards.py -q``.
+Run its tests with ``python -m pytest tests/engine/data/test_rewards.py -q``.
 """
 
 from __future__ import annotations

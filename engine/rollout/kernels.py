@@ -26,7 +26,7 @@ Invariants:
   path's samples: a different draw from the same distribution).
 `RLFLOW_TRITON=0` switches both off (the eager paths run instead), e.g. to compare.
 
-Run: python -m pytest -m gpu tests/engine/test_kernels.py
+Run: python -m pytest -m gpu tests/engine/rollout/test_kernels.py
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ Invariants (those of engine/rollout/base.py, plus):
   `generate` refuses to run until `resume_memory`. On CUDA, the only place decode graphs exist,
   both return at the same addresses (engine/rollout/vmm.py), so the graphs that point into them are kept.
 
-Run: the tests in tests/engine/test_native.py (CPU, fp32, the tiny embedded model).
+Run: the tests in tests/engine/rollout/test_native.py (CPU, fp32, the tiny embedded model).
 """
 
 from __future__ import annotations

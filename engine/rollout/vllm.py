@@ -27,7 +27,7 @@ Invariants (those of engine/rollout/base.py, plus):
   no-op (vLLM's in-process engine and CPU worker do these): build it before anything relies on
   either, as the actor does.
 
-Run: tests/engine/test_rollout_contract.py (needs the `vllm` extra; skipped without it).
+Run: tests/engine/rollout/test_rollout_contract.py (needs the `vllm` extra; skipped without it).
 """
 
 from __future__ import annotations
