@@ -1,3 +1,4 @@
-"""Rollout: the `RolloutEngine` protocol (base.py), its backends (native.py on model.py, vllm.py, and
-the HF one in base.py) and `build_rollout` (build.py), which picks one.
+"""Rollout: the `RolloutEngine` contract and the HF backend (base.py), the native backend (native.py
+on model.py, with kernels.py's Triton kernels and vmm.py's stable buffers), vLLM (vllm.py), and
+`build_rollout` (build.py), which picks one.
 """
