@@ -5,14 +5,14 @@ kernels that could do the same, at a model shape's head layout.
 
 Attention, one query per row over its KV-cache slot [rows, KV, L, D], row i live up to a random
 length in [L/3, L):
-- `written-out`: the math the CPU runs (engine/native_model.decode_attention, compiled on CUDA);
+- `written-out`: the math the CPU runs (engine/rollout/model.decode_attention, compiled on CUDA);
 - `flash`: PyTorch's flash kernel with per-row lengths (`aten._flash_attention_forward(seqused_k=)`,
   on a sequence-major copy of the cache);
 - `flex`: flex attention's decoding, with a block mask of each row's live blocks;
-- `triton`: ours (engine/kernels.py; it also writes the step's K/V).
+- `triton`: ours (engine/rollout/kernels.py; it also writes the step's K/V).
 Each is checked against `written-out`, captured in a CUDA graph and replayed; the floor is the
 live K/V read once at --hbm-tbps. Sampling from [rows, vocab] bf16 logits at temperature 1:
-engine/native.sample's eager path (Gumbel noise, compiled pick) and its Triton path, called
+engine/rollout/native.sample's eager path (Gumbel noise, compiled pick) and its Triton path, called
 plainly (host launches included), and the Triton sampler replayed in a CUDA graph, as the engine's
 decode graphs run it. On CPU only `written-out` and the eager
 sampler run: a smoke run.
@@ -28,10 +28,10 @@ from collections.abc import Callable
 import torch
 from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 
-from engine import kernels
-from engine.native import sample
-from engine.native_model import decode_attention, decode_mask
-from engine.rollout import SamplingParams
+from engine.rollout import kernels
+from engine.rollout.base import SamplingParams
+from engine.rollout.model import decode_attention, decode_mask
+from engine.rollout.native import sample
 
 SHAPES = {**QWEN25, "tiny": TINY}
 
@@ -119,7 +119,7 @@ def sampler_rows(cfg: dict, rows: int, device: str, dtype: torch.dtype, tbps: fl
     out = {"floor (logits once)": f"{floor:.1f} us"}
     before = os.environ.get("RLFLOW_TRITON")
     for name, switch in (("eager", "0"), ("triton", "1")):
-        os.environ["RLFLOW_TRITON"] = switch  # engine/kernels.available reads it per call
+        os.environ["RLFLOW_TRITON"] = switch  # engine/rollout/kernels.available reads it per call
         if name == "eager" or kernels.available(logits):
             out[name] = f"{timed_us(lambda: sample(logits, params, generator)):.1f} us"
     os.environ.pop("RLFLOW_TRITON")

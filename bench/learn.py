@@ -5,7 +5,7 @@
     python bench/learn.py --hidden 64 --layers 2 --gpus 0 --warmstart 20 --steps 3 --val-every 3   # CPU smoke
 
 Builds a random-weight Qwen2-architecture model of the given width and depth over the embedded
-task's character tokenizer (`engine.task.build_model`), then runs the real job
+task's character tokenizer (`engine.data.task.build_model`), then runs the real job
 (`python -m pipelines.cli train`: the supervised warm start, then GRPO with the hybrid engine:
 FSDP2 over `--gpus` ranks, native generation with TP `--tp`), and prints from MLflow the held-out
 greedy accuracy at every validation, the median step time with its generation and update parts,
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="run directory (default: a new temporary one)")
     ap.add_argument("overrides", nargs="*", help="more key=value config overrides")
     args = ap.parse_args()
-    from engine.task import build_model
+    from engine.data.task import build_model
 
     work = Path(args.work or tempfile.mkdtemp(prefix="rlflow-learn-"))
     model = build_model(work / "model", hidden=args.hidden, layers=args.layers)

@@ -21,10 +21,10 @@ import torch
 from shapes import QWEN25, TINY, copy_tbps, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from engine.native import NativeRollout
-from engine.native_model import NativeCausalLM
-from engine.rollout import HFRollout, SamplingParams
-from engine.task import build_tokenizer
+from engine.data.task import build_tokenizer
+from engine.rollout.base import HFRollout, SamplingParams
+from engine.rollout.model import NativeCausalLM
+from engine.rollout.native import NativeRollout
 
 SHAPES = {**QWEN25, "tiny": TINY}  # tiny: a CPU smoke run
 

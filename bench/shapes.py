@@ -70,7 +70,7 @@ def model_dir(name: str, shape: dict, cache: Path) -> Path:
     once per name and shape (benches name different shapes alike, e.g. "tiny")."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from engine.task import build_tokenizer
+    from engine.data.task import build_tokenizer
 
     path = cache / f"{name}-{hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]}"
     if (path / "config.json").is_file():

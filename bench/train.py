@@ -7,7 +7,7 @@ and the longest sequence a fixed memory budget trains, without and with sequence
     python bench/train.py --shape qwen2.5-1.5b --gpus 2 --longest --sp 1,2 --memory-gib 40
 
 Random weights in the given model shape (saved once as a bf16 HF directory under --cache, no
-download). rlflow's path is the real one: `engine.train.TrainEngine` (FSDP2 over all ranks,
+download). rlflow's path is the real one: `engine.train.fsdp.TrainEngine` (FSDP2 over all ranks,
 float32 master weights and AdamW state, bf16 compute on CUDA), stepping a PPO-clip loss over
 token-budget micro-batches; each rank gets its own `--seqs` sequences with a realistic length
 mix (prompts of `--prompt` tokens, responses uniform in `--response`, default 50-1000):
@@ -50,7 +50,7 @@ from shapes import QWEN25, free_port, model_dir, profile, timed  # bench/shapes.
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import algos
-from engine.train import TrainEngine, attn_implementation, forward_logprobs, micro_batches
+from engine.train.fsdp import TrainEngine, attn_implementation, forward_logprobs, micro_batches
 
 SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,

@@ -116,7 +116,7 @@ class Update:
 @dataclass
 class RolloutRequest:
     """What the driver sends a rollout worker: its shard of prompts and how to sample them."""
-    prompts: list  # list[engine.data.Prompt]
+    prompts: list  # list[engine.data.prompts.Prompt]
     step: int  # seeds sampling, so a resumed or replayed step draws the same samples
     greedy: bool = False  # validation decodes greedily, one sample per prompt
     samples: int = 0  # samples per prompt; 0 = rollout.samples_per_prompt, i.e. a training rollout

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine.native_model import Cut, NativeCausalLM
+from engine.rollout.model import Cut, NativeCausalLM
 
 BUCKET_BYTES = 256 * 2**20  # of rollout-dtype weights per all_to_all
 

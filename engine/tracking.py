@@ -238,7 +238,7 @@ class Tracker:
         import pandas as pd
         from mlflow.data.pandas_dataset import from_pandas
 
-        from engine.data import read_rows
+        from engine.data.prompts import read_rows
 
         inputs = []
         for context, paths in files.items():

@@ -51,7 +51,7 @@ def parse(args: list[str], first: tuple[str, ...] = ()) -> Config:
 def resolve_files(cfg: Config) -> dict[str, list[str]]:
     """{"train": [...], "val": [...]} data files, building the embedded ones on first use
     (preference pairs for DPO, prompts otherwise)."""
-    from engine.data import embedded_files, embedded_pair_files
+    from engine.data.prompts import embedded_files, embedded_pair_files
 
     root = Path(cfg.trainer.output_dir) / "embedded"
     build = embedded_pair_files if cfg.algorithm.name == "dpo" else embedded_files
@@ -62,7 +62,7 @@ def resolve_files(cfg: Config) -> dict[str, list[str]]:
 
 def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
     """The model directory and data files, building the embedded ones on first use."""
-    from engine.task import build_model
+    from engine.data.task import build_model
 
     model = cfg.model.path
     if model == EMBEDDED:
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     if ns.command == "data":
-        from engine.convert import convert
+        from engine.data.convert import convert
 
         try:
             counts = convert(ns.src, ns.dst, ns.format, ns.data_source, ns.instruction, ns.split)

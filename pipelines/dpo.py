@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from engine.batch import Batch
 from engine.config import Config
-from engine.data import Pair, PromptLoader, load_pairs, pairs_batch
+from engine.data.prompts import Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
 from pipelines import driver
 from pipelines.runtime import SUBMIT, Stages, launch, wait

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from engine import checkpoint
 from engine.config import Config
-from engine.data import PromptLoader
+from engine.data.prompts import PromptLoader
 from engine.tracking import Tracker
 from pipelines.runtime import WORKER_LOST, Runner, Stages
 from stages.actor import ActorRollout

@@ -29,9 +29,10 @@ from transformers import AutoTokenizer
 
 from engine.algos import pass_at_k
 from engine.config import Config
-from engine.data import Prompt, load_prompts
-from engine.rewards import RewardFunction
-from engine.rollout import RolloutEngine, SamplingParams, build_rollout
+from engine.data.prompts import Prompt, load_prompts
+from engine.data.rewards import RewardFunction
+from engine.rollout.base import RolloutEngine, SamplingParams
+from engine.rollout.build import build_rollout
 from engine.tracking import Tracker
 
 

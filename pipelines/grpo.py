@@ -45,9 +45,9 @@ from transformers import AutoTokenizer
 from engine import algos
 from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
-from engine.data import Prompt, PromptLoader, load_prompts
+from engine.data.prompts import Prompt, PromptLoader, load_prompts
 from engine.tracking import Tracker
-from engine.train import balance
+from engine.train.fsdp import balance
 from pipelines import driver
 from pipelines.runtime import SUBMIT, Generator, Stages, launch, wait
 from stages.actor import ActorRollout

@@ -39,7 +39,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from engine.config import Config
-from engine.data import Example, PromptLoader, load_examples
+from engine.data.prompts import Example, PromptLoader, load_examples
 from engine.tracking import Tracker
 from pipelines import driver
 from pipelines.runtime import SUBMIT, Runner, Stages, launch, wait

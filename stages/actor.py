@@ -20,7 +20,7 @@ Invariants:
 - a mini-batch holds whole prompt groups; losses divide by all-rank token/sequence counts so the
   update does not depend on how rows are split into micro-batches or ranks;
 - with `actor.sp` > 1 each SP group of workers gathers its members' rows and every member trains
-  on all of them, on its slice of each row's tokens (engine/ulysses.py): it counts only its own
+  on all of them, on its slice of each row's tokens (engine/train/ulysses.py): it counts only its own
   tokens, and per-micro-batch metrics are made the group's, so numbers match sp=1;
 - `old_logprobs` are recomputed by the trainer; the rollout's own logprobs only feed the
   train/infer mismatch metrics;
@@ -47,10 +47,9 @@ from transformers import AutoTokenizer
 from engine import algos, checkpoint
 from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
-from engine.native_model import to_device
 from engine.reshard import WeightBroadcast, push_weights, weight_shapes, weight_sync
-from engine.rollout import left_pad
-from engine.train import (
+from engine.tensors import left_pad, peak_memory, right_pad, to_device
+from engine.train.fsdp import (
     TrainEngine,
     all_reduce_sum,
     forward_logprobs,
@@ -58,7 +57,7 @@ from engine.train import (
     response_logprobs,
     step_metrics,
 )
-from stages.rollout import Rollout, peak_memory, right_pad
+from stages.rollout import Rollout
 
 
 class ActorRollout:

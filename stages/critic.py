@@ -35,8 +35,8 @@ from transformers import AutoModelForTokenClassification
 from engine import algos, checkpoint
 from engine.batch import Batch
 from engine.config import Config
-from engine.native_model import to_device
-from engine.train import (
+from engine.tensors import to_device
+from engine.train.fsdp import (
     TrainEngine,
     all_reduce_sum,
     in_step,
@@ -49,7 +49,7 @@ from engine.train import (
 
 class ValueModel(nn.Module):
     """The token-classification model behind one forward returning the values [M] at the M valid
-    response positions: the critic's FSDP2 root (see engine.train.TrainEngine)."""
+    response positions: the critic's FSDP2 root (see engine.train.fsdp.TrainEngine)."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 
 from engine.batch import Batch
 from engine.config import Config
-from engine.train import DTYPES, attn_implementation, response_logprobs
-from stages.rollout import peak_memory
+from engine.tensors import peak_memory
+from engine.train.fsdp import DTYPES, attn_implementation, response_logprobs
 
 
 class Reference:

@@ -16,8 +16,8 @@ import torch
 
 from engine.batch import Batch
 from engine.config import Config
-from engine.reward_model import RewardModel
-from engine.rewards import RewardFunction
+from engine.data.reward_model import RewardModel
+from engine.data.rewards import RewardFunction
 
 
 class Reward:

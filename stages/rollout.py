@@ -22,35 +22,18 @@ broadcast), tests/pipelines/test_e2e.py -k split (split placement, same metrics 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 from transformers import AutoTokenizer
 
-from engine import vmm
 from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
-from engine.native_model import TP
 from engine.reshard import WeightBroadcast
-from engine.rollout import SamplingParams, build_rollout, left_pad
-
-
-def right_pad(rows: Sequence[Sequence[float]], value: float, dtype: torch.dtype) -> torch.Tensor:
-    width = max(1, max((len(r) for r in rows), default=0))
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r, dtype=dtype)
-    return out
-
-
-def peak_memory(phase: str, metrics: dict[str, float]) -> None:
-    """`perf/max_memory_allocated_gb/<phase>`: this process's CUDA peak since the last phase ended,
-    plus what it holds outside torch's allocator at the phase's end (`vmm.peak_bytes`: the native
-    engine's KV cache and weights, which a phase takes or gives back at its start)."""
-    if torch.cuda.is_available():
-        metrics[f"perf/max_memory_allocated_gb/{phase}"] = vmm.peak_bytes() / 2**30
-        torch.cuda.reset_peak_memory_stats()
+from engine.rollout.base import SamplingParams
+from engine.rollout.build import build_rollout
+from engine.rollout.model import TP
+from engine.tensors import left_pad, peak_memory, right_pad
 
 
 class Rollout:

@@ -1,4 +1,5 @@
-"""Imports only point down: pipelines -> stages -> engine."""
+"""Imports only point down: pipelines -> stages -> engine, and no project modules import each other
+in a circle."""
 
 import ast
 from pathlib import Path
@@ -7,6 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"engine": {"stages", "pipelines"}, "stages": {"pipelines"}}
+PROJECT = ("engine", "stages", "pipelines")
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -27,3 +29,50 @@ def test_layers_import_only_downwards(layer):
 
 def test_algorithm_math_is_import_light():
     assert imported_packages(ROOT / "engine" / "algos.py") <= {"torch", "dataclasses", "__future__", "typing", "math"}
+
+
+def project_modules() -> dict[str, Path]:
+    """Every module under PROJECT by dotted name; a package's `__init__` is named by the package."""
+    mods = {}
+    for top in PROJECT:
+        for p in (ROOT / top).rglob("*.py"):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return mods
+
+
+def import_edges(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports anywhere in its body, function-local imports included."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in mods}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = parts[:len(parts) - node.level + 1] if node.level else []  # a relative import's package
+            module = ".".join(base + ([node.module] if node.module else []))
+            for a in node.names:  # `from pkg import mod` names the module, else the name lives in `module`
+                target = f"{module}.{a.name}"
+                out.add(target if target in mods else module)
+    return out & set(mods)
+
+
+def test_no_import_circle():
+    mods = project_modules()
+    graph = {name: import_edges(name, path, mods) - {name} for name, path in mods.items()}
+    cycles, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the current path, 2 done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state[nxt] == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [node, nxt]))
+            elif state[nxt] == 0:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if state[node] == 0:
+            visit(node, [])
+    assert not cycles, "import circles:\n" + "\n".join(cycles)

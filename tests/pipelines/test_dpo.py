@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from test_e2e import BIN, ROOT, env, history, only_run
 
-from engine import task
+from engine.data import task
 
 pytestmark = pytest.mark.slow
 # one step = one optimizer step over all 16 training pairs, so `dpo/*` at step s measures the

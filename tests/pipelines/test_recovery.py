@@ -14,7 +14,7 @@ import psutil
 import pytest
 from test_e2e import BIN, ROOT, env, only_run
 
-from engine import task
+from engine.data import task
 
 pytestmark = pytest.mark.slow
 

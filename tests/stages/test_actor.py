@@ -7,8 +7,8 @@ import torch
 
 from engine.batch import RolloutRequest
 from engine.config import load_config
-from engine.data import load_prompts
-from engine.train import response_logprobs
+from engine.data.prompts import load_prompts
+from engine.train.fsdp import response_logprobs
 from stages.actor import ActorRollout
 from stages.reference import Reference
 from stages.reward import Reward
@@ -173,8 +173,8 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
 
 def dpo_batch(actor, ref, n: int):
     """n embedded-style pairs with answers of different lengths, carrying reference logprobs."""
-    from engine import task
-    from engine.data import Pair, pairs_batch
+    from engine.data import task
+    from engine.data.prompts import Pair, pairs_batch
 
     tok, eos, rng = actor.tokenizer, actor.tokenizer.eos_token_id, __import__("random").Random(0)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731

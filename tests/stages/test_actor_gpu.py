@@ -5,7 +5,7 @@ import torch
 
 from engine.batch import RolloutRequest
 from engine.config import load_config
-from engine.data import load_prompts
+from engine.data.prompts import load_prompts
 from stages.actor import ActorRollout
 from stages.reward import Reward
 

@@ -10,9 +10,9 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer
 from engine import algos
 from engine.batch import Batch, RolloutRequest
 from engine.config import load_config
-from engine.data import load_prompts
-from engine.rollout import left_pad
-from stages.actor import ActorRollout, right_pad
+from engine.data.prompts import load_prompts
+from engine.tensors import left_pad, right_pad
+from stages.actor import ActorRollout
 from stages.critic import Critic
 from stages.reward import Reward
 

@@ -7,7 +7,7 @@ import torch
 from test_actor import dpo_batch
 
 from engine.config import load_config
-from engine.reward_model import RewardModel
+from engine.data.reward_model import RewardModel
 from stages.actor import ActorRollout
 from stages.reference import Reference
 

@@ -6,7 +6,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from engine.batch import Batch
 from engine.config import ConfigError, load_config
-from engine.reward_model import RewardModel
+from engine.data.reward_model import RewardModel
 from stages.reward import Reward
 
 PROMPTS = ["12+30=", "7+8=", "99+1=", "5+5="]

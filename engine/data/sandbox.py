@@ -13,7 +13,7 @@ This guards against buggy or runaway code, not a determined attacker: the child 
 network, read files its user can read, or call setsid() to leave the process group. Use a
 container for hostile code.
 
-Run its tests with ``python -m pytest tests/engine/test_sandbox.py -q``.
+Run its tests with ``python -m pytest tests/engine/data/test_sandbox.py -q``.
 """
 
 from __future__ import annotations

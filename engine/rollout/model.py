@@ -17,8 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
-from engine.vmm import StableBuffer
+from engine.rollout import kernels
+from engine.rollout.vmm import StableBuffer
+from engine.tensors import consecutive_group, fused
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 # HF name piece -> (fused module name, shard id)
@@ -50,16 +50,6 @@ class TP:
         if size == 1:
             return cls()
         return cls(torch.distributed.get_rank() % size, size, consecutive_group(size))
-
-
-def consecutive_group(size: int) -> Any:
-    """This rank's group when the default group splits into groups of `size` consecutive ranks;
-    collective: every rank makes every group, in the same order, as `new_group` requires."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if world % size:
-        raise ValueError(f"group size {size} does not divide the world size {world}")
-    groups = [torch.distributed.new_group(list(range(g, g + size))) for g in range(0, world, size)]
-    return groups[rank // size]
 
 
 @dataclass(frozen=True)
@@ -126,36 +116,6 @@ class RowLinear(nn.Linear):
         if self.tp.size > 1:
             torch.distributed.all_reduce(out, group=self.tp.group)
         return out
-
-
-def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`x` on `device`; host tensors go to CUDA through pinned memory, so the copy neither waits
-    for the device work already queued (a decode step launched ahead, a backward) nor holds the host."""
-    if x.device.type == "cpu" and device.type == "cuda":
-        return x.pin_memory().to(device, non_blocking=True)
-    return x.to(device)
-
-
-def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` compiled by inductor when its first argument is on CUDA, eager otherwise.
-
-    Decode at a few hundred rows is launch-bound: RMSNorm, RoPE and SiLU-gating are chains of
-    tiny elementwise kernels, each costing microseconds; fused they are one kernel apiece.
-
-    Shapes are left to dynamo's automatic dynamism: a dimension becomes symbolic only once it
-    changes between calls (rows, tokens), so feature sizes stay constants in the kernels. With
-    every size symbolic (`dynamic=True`) the kernels were much slower: SiLU-gating at 1024
-    decode rows (0.5B shape, H200) took 20.6 us, against 6.6 us with its feature size fixed."""
-    compiled: Callable[..., Any] | None = None  # made on first CUDA use: CPU never imports the compiler
-
-    @functools.wraps(fn)
-    def call(x: torch.Tensor, *args: Any) -> Any:
-        nonlocal compiled
-        if not x.is_cuda:
-            return fn(x, *args)
-        compiled = compiled or torch.compile(fn)
-        return compiled(x, *args)
-    return call
 
 
 @fused
@@ -237,7 +197,7 @@ class KVCache:
 
     Head-major per slot, so decode attends over `k[layer, :B, :, :W]`, a view: no gather.
     `free` and `allocate` give the memory back and take it again, zeroed. On CUDA it lives in a
-    `StableBuffer` (engine/vmm.py): it comes back at the same addresses, so the decode graphs
+    `StableBuffer` (engine/rollout/vmm.py): it comes back at the same addresses, so the decode graphs
     that point into it stay valid. Elsewhere it is freed and allocated through torch."""
 
     def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
@@ -418,7 +378,7 @@ class NativeCausalLM(nn.Module):
 
     def materialize(self, device: str | torch.device, dtype: torch.dtype) -> NativeCausalLM:
         """Uninitialised storage for a model built on the meta device. On CUDA every parameter
-        lies in one StableBuffer (engine/vmm.py), so `release_weights` can give the memory back
+        lies in one StableBuffer (engine/rollout/vmm.py), so `release_weights` can give the memory back
         while training runs, and the next write takes it again at the same addresses, which the
         decode graphs hold."""
         device = torch.device(device)

@@ -1,4 +1,4 @@
-"""engine/rewards.py: answer extraction on hand-written strings, function loading, batch error handling."""
+"""engine/data/rewards.py: answer extraction on hand-written strings, function loading, batch error handling."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from engine import task
-from engine.rewards import (
+from engine.data import task
+from engine.data.rewards import (
     BUILTIN,
     RewardFunction,
     gsm8k_score,
@@ -74,8 +74,8 @@ def test_load_function_from_file(tmp_path) -> None:
 
 @pytest.mark.parametrize("spec, match", [
     ("no_colon_here", "package.module:function"),
-    ("engine.task:", "package.module:function"),
-    ("engine.task:not_there", "not_there"),
+    ("engine.data.task:", "package.module:function"),
+    ("engine.data.task:not_there", "not_there"),
     ("no_such_module_xyz:f", "no_such_module_xyz"),
     ("/nonexistent/dir/r.py:f", "not found"),
 ])
@@ -83,7 +83,7 @@ def test_load_function_bad_specs(spec: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         load_function(spec)
     with pytest.raises(TypeError, match="not a function"):
-        load_function("engine.task:DATA_SOURCE")
+        load_function("engine.data.task:DATA_SOURCE")
 
 
 def write_reward(tmp_path, body: str) -> str:

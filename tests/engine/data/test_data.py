@@ -1,4 +1,4 @@
-"""engine/data.py: row parsing and skip accounting, file formats, and loader order and resume."""
+"""engine/data/prompts.py: row parsing and skip accounting, file formats, and loader order and resume."""
 
 from __future__ import annotations
 
@@ -12,8 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from engine import task
-from engine.data import Pair, Prompt, PromptLoader, embedded_files, load_examples, load_pairs, load_prompts, pairs_batch
+from engine.data import task
+from engine.data.prompts import (
+    Pair,
+    Prompt,
+    PromptLoader,
+    embedded_files,
+    load_examples,
+    load_pairs,
+    load_prompts,
+    pairs_batch,
+)
 
 
 @pytest.fixture(scope="module")

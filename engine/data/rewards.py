@@ -16,7 +16,7 @@ Invariants:
   Built-in scorers are ours and bounded (python_exec has its own subprocess timeout), so they are
   called directly.
 
-Run its tests with ``python -m pytest tests/engine/test_rewards.py -q``.
+Run its tests with ``python -m pytest tests/engine/data/test_rewards.py -q``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from engine import task
-from engine.sandbox import run_python
+from engine.data import task
+from engine.data.sandbox import run_python
 
 log = logging.getLogger("rlflow.reward")
 
@@ -113,7 +113,7 @@ def python_exec_score(data_source: str, solution_str: str, ground_truth: str,
     """1.0 when the response's code followed by ``ground_truth`` (test code, e.g. asserts) exits 0.
 
     The code is the last ```python fenced block, or the whole response without one. It runs in a
-    sandboxed subprocess (engine/sandbox.py) for at most ``extra_info["timeout_s"]`` (default 5) s;
+    sandboxed subprocess (engine/data/sandbox.py) for at most ``extra_info["timeout_s"]`` (default 5) s;
     timeouts and crashes are the model's failures and score 0.0, not reward errors.
     """
     blocks = _PYTHON_BLOCK.findall(solution_str)

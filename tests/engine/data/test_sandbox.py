@@ -1,4 +1,4 @@
-"""engine/sandbox.py: real subprocesses under time, memory, output and environment limits."""
+"""engine/data/sandbox.py: real subprocesses under time, memory, output and environment limits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import time
 from pathlib import Path
 
-from engine.sandbox import MAX_OUTPUT_BYTES, run_python
+from engine.data.sandbox import MAX_OUTPUT_BYTES, run_python
 
 
 def test_exit_status_and_output_come_back() -> None:

@@ -7,9 +7,9 @@ from conftest import trainer_logprobs
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.native import NativeRollout
-from engine.native_model import NativeCausalLM
-from engine.rollout import HFRollout, SamplingParams
+from engine.rollout.base import HFRollout, SamplingParams
+from engine.rollout.model import NativeCausalLM
+from engine.rollout.native import NativeRollout
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""engine/convert.py: hand-written GSM8K and MATH rows in, verl rows out that load and score."""
+"""engine/data/convert.py: hand-written GSM8K and MATH rows in, verl rows out that load and score."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from engine import task
-from engine.convert import INSTRUCTIONS, convert
-from engine.data import load_prompts
-from engine.rewards import RewardFunction
+from engine.data import task
+from engine.data.convert import INSTRUCTIONS, convert
+from engine.data.prompts import load_prompts
+from engine.data.rewards import RewardFunction
 
 GSM8K_LINES = [
     {"question": "Natalia sold 48 clips and then 24 more. How many?", "answer": "48 + 24 = <<48+24=72>>72\n#### 72"},

@@ -6,8 +6,8 @@ import torch
 from test_train import padded_batch
 from transformers import AutoModelForCausalLM
 
-from engine import varlen
-from engine.train import forward_logprobs
+from engine.train import varlen
+from engine.train.fsdp import forward_logprobs
 
 
 def test_sequences_restart_at_position_zero_and_at_every_row():

@@ -12,9 +12,9 @@ weights in each): one with fewer micro-batches runs zero-loss idle ones.
 Forward: with packing, a micro-batch's real tokens go end to end in one row, position ids
 restarting at 0 per sequence and no attention mask; transformers reads the sequence boundaries
 from the position ids. On CUDA the attention runs each sequence alone, through flash-attn's varlen
-kernels when installed, else PyTorch's own (engine/varlen.py, padded rows unpadded the same
+kernels when installed, else PyTorch's own (engine/train/varlen.py, padded rows unpadded the same
 way); on the CPU, SDPA with a block-diagonal causal mask. With `sp` > 1 (Ulysses sequence
-parallelism, engine/ulysses.py) groups of sp ranks take the same padded rows and each runs
+parallelism, engine/train/ulysses.py) groups of sp ranks take the same padded rows and each runs
 1/sp of every row's tokens, FSDP2 still spanning all ranks; each rank's logprobs (and so its
 loss) cover only its slice. With shared prompts (`shared_prompt_row`) a packed row holds each
 distinct prompt once, followed by the responses of all rows that have it, under a mask that lets a
@@ -56,8 +56,9 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
-from engine import algos, ulysses, varlen
-from engine.native_model import consecutive_group, fused, to_device
+from engine import algos
+from engine.tensors import consecutive_group, fused, to_device
+from engine.train import ulysses, varlen
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
@@ -280,7 +281,7 @@ class Policy(nn.Module):
     forward (the chunked lm_head included) and reduce their gradients.
 
     With an SP group (`sp_group`, set by the engine) it runs padded rows sequence-parallel
-    (engine/ulysses.py): each rank predicts only the response tokens `response_mask` gives it."""
+    (engine/train/ulysses.py): each rank predicts only the response tokens `response_mask` gives it."""
 
     def __init__(self, lm: Any) -> None:
         super().__init__()

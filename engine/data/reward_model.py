@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from engine.rollout import left_pad
-from engine.train import DTYPES, micro_batches
+from engine.tensors import left_pad
+from engine.train.fsdp import DTYPES, micro_batches
 
 
 class RewardModel:

@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from engine import algos
-from engine.train import (
+from engine.train.fsdp import (
     TrainEngine,
     balance,
     chunked_token_stats,
@@ -241,7 +241,7 @@ def _dp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dt
     """Three optimizer steps on rank's rows of one fixed batch; rank 0 saves losses, grads, norms."""
     import torch.distributed as dist
 
-    from engine.train import all_reduce_sum
+    from engine.train.fsdp import all_reduce_sum
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -326,7 +326,7 @@ def _sp_worker(rank: int, world: int, sp: int, port: int, model_dir: str, device
     forward); rank 0 saves losses, norms, first gradients and no-grad logprobs/entropies."""
     import torch.distributed as dist
 
-    from engine.train import all_reduce_sum, response_logprobs
+    from engine.train.fsdp import all_reduce_sum, response_logprobs
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -390,7 +390,7 @@ def test_sequence_parallel_matches_one_rank(model_dir, tmp_path, device, world):
 def test_sequence_parallel_needs_sp_to_divide_the_kv_heads():
     from types import SimpleNamespace
 
-    from engine import ulysses
+    from engine.train import ulysses
 
     ulysses.check_heads(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), 2)
     with pytest.raises(ValueError, match="key/value heads \\(2\\)"):

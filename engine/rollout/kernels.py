@@ -1,7 +1,7 @@
 """Triton kernels for the native engine's decode step on CUDA, where library kernels fall short.
 
 Measured on one H200 (torch 2.11), Qwen2.5-0.5B shape, 256 rows over a 384-column KV cache about
-two-thirds live, per layer: the written-out attention (engine/native_model.py) 33 us, PyTorch's
+two-thirds live, per layer: the written-out attention (engine/rollout/model.py) 33 us, PyTorch's
 flash kernel with per-row lengths (`aten._flash_attention_forward(seqused_k=)`) 39 us, flex
 attention's decoding 217 us, against a floor of 7 us to read the live K/V once. The flash
 kernel runs each query head on its own and so reads every K/V head once per query head. The
@@ -19,14 +19,14 @@ comparison.
   logits once, and one chunk per row again.
 
 Invariants:
-- the same math as the eager paths (engine/native_model.decode_attention, engine/native.sample)
+- the same math as the eager paths (engine/rollout/model.decode_attention, engine/rollout/native.sample)
   up to rounding: fp32 scores and softmax;
 - the sampler is deterministic: its randomness is the caller's uniforms (the native engine draws
   them from the call's seeded generator), so the same seed gives the same samples (not the eager
   path's samples: a different draw from the same distribution).
 `RLFLOW_TRITON=0` switches both off (the eager paths run instead), e.g. to compare.
 
-Run: python -m pytest -m gpu tests/engine/test_kernels.py
+Run: python -m pytest -m gpu tests/engine/rollout/test_kernels.py
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
                      v: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
     """One decode step's attention, row i on cache slot i: write this step's k_new, v_new [B, KV, D]
     at column kv_lens[i] of the slot's cache k, v [slots >= B, KV, L, D] (head-major, as
-    engine/native_model.KVCache holds one layer), then attend q [B, H, D] over the slot's first
+    engine/rollout/model.KVCache holds one layer), then attend q [B, H, D] over the slot's first
     kv_lens[i] + 1 columns; out [B, H, D]."""
     B, H, D = q.shape
     KV = k.shape[1]

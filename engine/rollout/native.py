@@ -1,4 +1,4 @@
-"""The native rollout engine: our compact model (engine/native_model.py) behind `RolloutEngine`.
+"""The native rollout engine: our compact model (engine/rollout/model.py) behind `RolloutEngine`.
 
 Continuous batching over a fixed-slot KV cache. `generate` queues (prompt, sample) requests;
 each engine step either prefills newly admitted requests (when slots are free) or decodes one
@@ -8,7 +8,7 @@ sequences, whose slots go to waiting requests.
 On CUDA, decode replays a CUDA graph captured per row count (decode row i is cache slot i, so
 attention reads the cache in place), whose inputs (each slot's last token and cached count) stay
 on the device: every step's sampling writes them, so a decode step copies nothing in. In half
-precision, attention and sampling use the Triton kernels of engine/kernels.py, and plain sampling
+precision, attention and sampling use the Triton kernels of engine/rollout/kernels.py, and plain sampling
 (temperature only) runs inside the decode graph too: a step is one uniform draw, one replay and
 one copy of its (token, logprob) pairs to the host. While no request waits for a slot, the
 next such step is launched before the host reads the last one, so the device decodes while the
@@ -16,7 +16,7 @@ host books tokens and retires sequences (a sequence that retires rides along in 
 launched; that token is dropped). Prefill, and sampling with top-k/top-p or greedy, run eagerly.
 On CPU all of it is eager.
 
-Invariants (those of engine/rollout.py, plus):
+Invariants (those of engine/rollout/base.py, plus):
 - at most `max_slots` sequences run at once; prompt + max_new_tokens must fit in `max_len`;
 - with `memory_fraction` > 0 on CUDA, the KV cache takes at most that fraction of the device's
   free memory, and `max_slots` shrinks to what fits;
@@ -28,9 +28,9 @@ Invariants (those of engine/rollout.py, plus):
 - `release_memory` gives the KV cache's memory back (with `weights=True` the weights' too: on
   CUDA their values are then lost, and `generate` refuses to run until they are written again);
   `generate` refuses to run until `resume_memory`. On CUDA, the only place decode graphs exist,
-  both return at the same addresses (engine/vmm.py), so the graphs that point into them are kept.
+  both return at the same addresses (engine/rollout/vmm.py), so the graphs that point into them are kept.
 
-Run: the tests in tests/engine/test_native.py (CPU, fp32, the tiny embedded model).
+Run: the tests in tests/engine/rollout/test_native.py (CPU, fp32, the tiny embedded model).
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ from typing import Any
 
 import torch
 
-from engine import kernels
-from engine.native_model import KVCache, NativeCausalLM, fused, head_dim, to_device
-from engine.rollout import Completion, SamplingParams, stop_ids
+from engine.rollout import kernels
+from engine.rollout.base import Completion, SamplingParams, stop_ids
+from engine.rollout.model import KVCache, NativeCausalLM, head_dim
+from engine.tensors import fused, to_device
 
 
 @dataclass

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine import kernels
-from engine.native_model import decode_attention, decode_mask
+from engine.rollout import kernels
+from engine.rollout.model import decode_attention, decode_mask
 
 pytestmark = pytest.mark.gpu
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.native import NativeRollout, filter_logits
-from engine.native_model import NativeCausalLM
-from engine.rollout import SamplingParams
+from engine.rollout.base import SamplingParams
+from engine.rollout.model import NativeCausalLM
+from engine.rollout.native import NativeRollout, filter_logits
 
 TEXTS = ["1+1=", "12+7=", "3+4=", "99+99=", "5+"]
 
@@ -111,7 +111,7 @@ def test_unsupported_rope_scaling_is_refused(tok):
 
 
 def test_gumbel_sampling_follows_the_tempered_distribution():
-    from engine.native import sample
+    from engine.rollout.native import sample
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(40000, 4)
     params = SamplingParams(temperature=0.7)
@@ -137,7 +137,7 @@ def _tp_worker(rank: int, store: str, model_dir: str, out: str, device: str) -> 
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from engine.native_model import TP
+    from engine.rollout.model import TP
 
     if device == "cuda":
         torch.cuda.set_device(rank)

@@ -5,7 +5,7 @@ Built from the actor's HF model directory. vLLM's engine core runs in-process
 straight to vLLM's in-place reload (the model's own `load_weights`, then its kernel-layout
 processing), with no copy through disk or another process.
 
-Invariants (those of engine/rollout.py, plus):
+Invariants (those of engine/rollout/base.py, plus):
 - logprobs: vLLM reports them either before any sampling transform ("raw", temperature 1) or after
   top-k/top-p renormalisation ("processed"); neither is log softmax(logits / T) over the full
   vocabulary once top-k/top-p are on. So the temperature goes into the model's own logits scale
@@ -27,7 +27,7 @@ Invariants (those of engine/rollout.py, plus):
   no-op (vLLM's in-process engine and CPU worker do these): build it before anything relies on
   either, as the actor does.
 
-Run: tests/engine/test_rollout_contract.py (needs the `vllm` extra; skipped without it).
+Run: tests/engine/rollout/test_rollout_contract.py (needs the `vllm` extra; skipped without it).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from engine.rollout import Completion, SamplingParams
+from engine.rollout.base import Completion, SamplingParams
 
 T = TypeVar("T")
 MAX_SEQS = 256  # sequences decoded at once; the CPU KV cache is sized for this many at max_len

@@ -14,7 +14,7 @@ Invariants:
 - ``PromptLoader`` order is a pure function of (seed, epoch, position): saving and loading its
   ``state_dict`` resumes the exact batch sequence.
 
-Run its tests with ``python -m pytest tests/engine/test_data.py -q``.
+Run its tests with ``python -m pytest tests/engine/data/test_data.py -q``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import datasets
 import numpy as np
 import torch
 
-from engine import task
 from engine.batch import Batch
+from engine.data import task
 
 log = logging.getLogger("rlflow.data")
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}

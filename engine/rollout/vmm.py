@@ -7,7 +7,7 @@ memory into it; `release` unmaps that memory and returns it to the driver (the r
 reserved, so PyTorch's allocator can use the memory meanwhile); `restore` maps new memory at the
 same addresses. Tensors made by `view` keep their `data_ptr` through both, so graphs captured on
 them stay valid. This is how the native engine frees its KV cache for training and keeps its
-decode graphs (engine/native_model.py's `KVCache`).
+decode graphs (engine/rollout/model.py's `KVCache`).
 
 Invariants:
 - while released, nothing may read or write the buffer's tensors (the device would fault);

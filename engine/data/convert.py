@@ -1,4 +1,4 @@
-"""Raw GSM8K / MATH files in, verl-shaped prompt files out, ready for ``engine.data.load_prompts``.
+"""Raw GSM8K / MATH files in, verl-shaped prompt files out, ready for ``engine.data.prompts.load_prompts``.
 
 A written row holds ``data_source``, ``prompt`` (one user message: the question plus an
 instruction), ``ability`` ("math"), ``reward_model`` ({"style": "rule", "ground_truth"}) and
@@ -17,7 +17,7 @@ Invariants:
 - ``dst`` is never left partial: rows go to a temporary file beside it, moved into place by
   ``os.replace`` only once all are written.
 
-Run its tests with ``python -m pytest tests/engine/test_convert.py -q``.
+Run its tests with ``python -m pytest tests/engine/data/test_convert.py -q``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.rewards import last_boxed
+from engine.data.rewards import last_boxed
 
 log = logging.getLogger("rlflow.convert")
 FORMATS = ("gsm8k", "math")

@@ -1,12 +1,12 @@
 """Rollout engines: prompt token ids in, sampled responses with per-token logprobs out.
 
 One interface (`RolloutEngine`), backends picked by `rollout.backend`:
-- `native` (engine/native.py, the default): our own Qwen2/Qwen3/Llama model with a slot KV cache,
+- `native` (engine/rollout/native.py, the default): our own Qwen2/Qwen3/Llama model with a slot KV cache,
   continuous batching and CUDA-graph decode, holding a copy of the trainer's weights refreshed
   by `load_weights`;
 - `hf`: transformers' `generate` over the training module itself (hybrid, zero-copy on one
   device); a slow reference that works for any architecture;
-- `vllm` (engine/vllm_rollout.py, the `vllm` extra): vLLM in this process, built from the model
+- `vllm` (engine/rollout/vllm.py, the `vllm` extra): vLLM in this process, built from the model
   directory, its copy of the weights refreshed the same way.
 
 Invariants:
@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from engine.tensors import left_pad
 
 
 @dataclass
@@ -61,17 +63,6 @@ class RolloutEngine(Protocol):
 def stop_ids(tokenizer: Any, params: SamplingParams) -> list[int]:
     """The tokenizer's EOS (when it has one) and the request's stop tokens."""
     return sorted({t for t in (tokenizer.eos_token_id, *params.stop_token_ids) if t is not None})
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [B, P], mask [B, P]) with every prompt right-aligned."""
-    width = max((len(p) for p in prompts), default=0)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 class HFRollout:
@@ -112,7 +103,7 @@ class HFRollout:
                   temperature: float) -> torch.Tensor:
         """Per-token logprobs [B*n, R] by one more forward over prompt + response: keeping
         generate's per-step logits would hold [B*n, R, vocab] floats (37 GB at 256 x 256 x 152k)."""
-        from engine.train import response_logprobs
+        from engine.train.fsdp import response_logprobs
 
         full = torch.cat([mask, torch.ones_like(tokens)], 1)
         vocab = self.model.config.vocab_size
@@ -146,30 +137,3 @@ class HFRollout:
 
     def resume_memory(self) -> None:
         """Nothing to take back: see release_memory."""
-
-
-def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, device: str, max_len: int,
-                  max_slots: int, kv_cache_memory: float, tp: Any = None) -> RolloutEngine:
-    """A rollout engine with its own copy of the model in `model_dir`, in `dtype` on `device`,
-    kept in sync with the trainer through `load_weights` (or, for native, engine/reshard.py),
-    running up to `max_slots` sequences at once (native: fewer if its KV cache would overflow
-    `kv_cache_memory`, a fraction of free GPU memory). Native only: `tp` (an
-    `engine.native_model.TP`) holds this rank's tensor-parallel piece."""
-    torch_dtype = getattr(torch, dtype)
-    if backend == "hf":
-        from transformers import AutoModelForCausalLM
-
-        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-        return HFRollout(model.to(device), tokenizer)
-    if backend == "native":
-        from engine.native import NativeRollout
-        from engine.native_model import NativeCausalLM
-
-        model = NativeCausalLM.from_pretrained(model_dir, torch_dtype, device, **({"tp": tp} if tp else {}))
-        return NativeRollout(model, tokenizer,
-                             max_slots=max_slots, max_len=max_len, memory_fraction=kv_cache_memory)
-    if backend == "vllm":
-        from engine.vllm_rollout import VLLMRollout
-
-        return VLLMRollout(model_dir, tokenizer, max_len, torch_dtype)
-    raise ValueError(f"unknown rollout.backend '{backend}'")

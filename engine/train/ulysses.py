@@ -14,7 +14,7 @@ Invariants:
 - each row's real tokens attend causally among themselves: every layer gets the full rows'
   padding mask [B, S] (as a prepared mask mapping, which transformers passes on untouched) and
   the SP group (a layer keyword, kept by activation checkpointing for the recomputation); on
-  CUDA in half precision through PyTorch's varlen kernel (engine/varlen.py, no [S, S] mask),
+  CUDA in half precision through PyTorch's varlen kernel (engine/train/varlen.py, no [S, S] mask),
   else SDPA with a causal key-padding mask;
 - heads are cut in contiguous chunks, so with GQA query head h still reads kv head
   h // (heads / kv_heads): sp must divide the kv heads.
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 from transformers import AttentionInterface
 
-from engine import varlen
+from engine.train import varlen
 
 NAME = "ulysses"  # the attn_implementation of a model whose forwards run sequence-parallel
 

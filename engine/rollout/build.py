@@ -1,0 +1,38 @@
+"""`build_rollout`: the rollout engine that `rollout.backend` names (engine/rollout/base.py says
+what every backend promises). The backends are imported only when picked: vLLM is an extra.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.rollout.base import HFRollout, RolloutEngine
+
+
+def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, device: str, max_len: int,
+                  max_slots: int, kv_cache_memory: float, tp: Any = None) -> RolloutEngine:
+    """A rollout engine with its own copy of the model in `model_dir`, in `dtype` on `device`,
+    kept in sync with the trainer through `load_weights` (or, for native, engine/reshard.py),
+    running up to `max_slots` sequences at once (native: fewer if its KV cache would overflow
+    `kv_cache_memory`, a fraction of free GPU memory). Native only: `tp` (an
+    `engine.rollout.model.TP`) holds this rank's tensor-parallel piece."""
+    torch_dtype = getattr(torch, dtype)
+    if backend == "hf":
+        from transformers import AutoModelForCausalLM
+
+        model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+        return HFRollout(model.to(device), tokenizer)
+    if backend == "native":
+        from engine.rollout.model import NativeCausalLM
+        from engine.rollout.native import NativeRollout
+
+        model = NativeCausalLM.from_pretrained(model_dir, torch_dtype, device, **({"tp": tp} if tp else {}))
+        return NativeRollout(model, tokenizer,
+                             max_slots=max_slots, max_len=max_len, memory_fraction=kv_cache_memory)
+    if backend == "vllm":
+        from engine.rollout.vllm import VLLMRollout
+
+        return VLLMRollout(model_dir, tokenizer, max_len, torch_dtype)
+    raise ValueError(f"unknown rollout.backend '{backend}'")
