@@ -6,6 +6,7 @@ YAML scalars and checked against the field's type; `key=` with no value changes 
 
 Invariants:
 - an unknown key is an error that names the closest valid key;
+- the algorithm switches accept exactly the names engine/algos.py dispatches on (its tuples);
 - `validate()` runs before any worker starts, so a bad run fails in seconds, not after setup;
 - `to_dict(cfg)` round-trips through `load_config` (it is what a checkpoint stores).
 """
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
 EMBEDDED_WARMSTART_STEPS = 1800  # supervised steps that take the embedded model to roughly 20-40%
@@ -74,7 +77,7 @@ class ActorConfig:
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     policy_loss: str = "ppo"  # ppo (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight x logprob)
     kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs
+    kl_loss_type: str = "k3"  # k1 | k2 | k3 | low_var_kl (verl's name for k3) | abs
     entropy_coef: float = 0.0
     offload_optimizer: bool = False  # CUDA: optimizer state in pinned CPU memory while generating
     activation_checkpointing: bool = False  # recompute decoder layers in backward (actor and critic)
@@ -261,22 +264,21 @@ def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-CHOICES = {
-    "model.dtype": {"float32", "bfloat16"},
-    "rollout.dtype": {"float32", "bfloat16"},
-    "rollout.backend": {"hf", "native", "vllm"},
-    "data.overlong_prompts": {"skip", "error"},
-    "actor.lr_schedule": {"constant", "cosine"},
-    "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
-    "actor.kl_loss_type": {"k1", "k2", "k3", "abs"},
-    "actor.policy_loss": {"ppo", "gspo", "cispo"},
-    "algorithm.name": {"grpo", "ppo", "dpo", "sft"},  # dpo, sft: set by `rlflow dpo`, `rlflow sft`
-    "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"},
-    "algorithm.kl_penalty": {"k1", "k2", "k3", "abs"},
-    "reward.on_error": {"zero", "raise"},
-    "trainer.dag": {"compiled", "plain"},
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16"),
+    "rollout.dtype": ("float32", "bfloat16"),
+    "rollout.backend": ("hf", "native", "vllm"),
+    "data.overlong_prompts": ("skip", "error"),
+    "actor.lr_schedule": ("constant", "cosine"),
+    "actor.loss_agg": LOSS_AGGS,  # the algorithm switches: the names engine/algos.py dispatches on
+    "actor.kl_loss_type": KL_ESTIMATORS,
+    "actor.policy_loss": POLICY_LOSSES,
+    "algorithm.name": ("grpo", "ppo", "dpo", "sft"),  # dpo, sft: set by `rlflow dpo`, `rlflow sft`
+    "algorithm.advantage": ADVANTAGES,
+    "algorithm.kl_penalty": KL_ESTIMATORS,
+    "reward.on_error": ("zero", "raise"),
+    "trainer.dag": ("compiled", "plain"),
 }
-GROUP_ESTIMATORS = {"grpo", "drgrpo", "rloo", "reinforce_pp_baseline"}
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -305,7 +307,7 @@ def validate(cfg: Config) -> None:
     """Every check that can fail before work starts. Raises ConfigError naming the key."""
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {sorted(allowed)}")
+            raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {list(allowed)}")
     d, r, a, p = cfg.data, cfg.rollout, cfg.actor, cfg.placement
     positive = {"data.prompts_per_step": d.prompts_per_step, "data.max_prompt_tokens": d.max_prompt_tokens,
                 "rollout.max_new_tokens": r.max_new_tokens, "actor.mini_batch_prompts": a.mini_batch_prompts,

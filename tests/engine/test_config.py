@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ConfigError, all_keys, load_config, to_dict
+from engine import algos
+from engine.config import CHOICES, ConfigError, all_keys, load_config, to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -114,3 +115,11 @@ def test_readme_config_reference_lists_every_key():
     text = (ROOT / "docs" / "config.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", text, re.M))
     assert documented == set(all_keys()), "regenerate: python -m engine.config > docs/config.md"
+
+
+def test_algorithm_switches_accept_exactly_what_the_math_dispatches_on():
+    assert CHOICES["algorithm.advantage"] is algos.ADVANTAGES and CHOICES["actor.policy_loss"] is algos.POLICY_LOSSES
+    assert CHOICES["actor.loss_agg"] is algos.LOSS_AGGS
+    assert CHOICES["actor.kl_loss_type"] is CHOICES["algorithm.kl_penalty"] is algos.KL_ESTIMATORS
+    cfg = load_config(None, ["actor.kl_loss_type=low_var_kl", "algorithm.kl_penalty=low_var_kl"])
+    assert cfg.actor.kl_loss_type == cfg.algorithm.kl_penalty == "low_var_kl"
