@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from engine import algos
-from engine.config import CHOICES, ConfigError, all_keys, load_config, to_dict
+from engine.config import CHOICES, ConfigError, all_keys, load_config, meanings, reference_markdown, to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -115,6 +115,13 @@ def test_readme_config_reference_lists_every_key():
     text = (ROOT / "docs" / "config.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", text, re.M))
     assert documented == set(all_keys()), "regenerate: python -m engine.config > docs/config.md"
+    assert reference_markdown() in text, "regenerate: python -m engine.config > docs/config.md"
+
+
+def test_every_key_has_a_meaning_within_the_budget():
+    unexplained = [k for k, meaning in meanings().items() if not meaning.strip()]
+    assert not unexplained, f"give these keys a field comment: {unexplained}"
+    assert set(meanings()) == set(all_keys()) and len(all_keys()) <= 90, "keys are a cost: budget 90"
 
 
 def test_algorithm_switches_accept_exactly_what_the_math_dispatches_on():
