@@ -8,8 +8,10 @@ Invariants:
 - an unknown key is an error that names the closest valid key;
 - every key has a one-line meaning (its field comment), rendered in docs/config.md by `python -m engine.config`;
 - the algorithm switches accept exactly the names engine/algos.py dispatches on (its tuples);
+- `algorithm.name` is derived, never a switch: the command picks the job (rl, sft, dpo), an RL run's label
+  follows its settings (`run_label`); a value that contradicts them is an error;
 - `validate()` runs before any worker starts, so a bad run fails in seconds, not after setup;
-- `to_dict(cfg)` round-trips through `load_config` (it is what a checkpoint stores).
+- `to_dict(cfg)` round-trips through `load_config` with the same job (it is what a checkpoint stores).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class ActorConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | ppo (a run label; ppo goes with advantage=gae) | dpo | sft (set by `rlflow dpo/sft`)
+    name: str = "grpo"  # derived, not a switch: the command's sft | dpo, or the RL label (run_label: gae is ppo)
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | gae (critic)
     gamma: float = 1.0  # discount of per-token returns (reinforce_pp, gae)
     lam: float = 1.0  # GAE lambda: 1 = Monte Carlo return minus the value, 0 = one-step TD
@@ -240,32 +242,59 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the YAML diff at `path`, then `key=value` overrides; validated."""
-    cfg = Config()
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                job: str = "rl") -> Config:
+    """Defaults, then the YAML diff at `path`, then `key=value` overrides, for the `job` its command runs
+    (`rlflow train`: rl, `rlflow sft`: sft, `rlflow dpo`: dpo); validated."""
+    if job not in JOBS:
+        raise ConfigError(f"job {job!r}: choose one of {list(JOBS)}")
+    settings: dict[str, Any] = {}
     if path:
         diff = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(diff, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
-        for key, value in _flatten(diff).items():
-            _set(cfg, key, value)
+        settings.update(_flatten(diff))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"override '{item}' is not key=value")
         if raw.strip():  # `key=` (empty) keeps the configured value, as MLproject defaults rely on
-            _set(cfg, key.strip(), yaml.safe_load(raw))
+            settings[key.strip()] = yaml.safe_load(raw)
+    named = settings.pop("algorithm.name", None)
+    cfg = Config()
+    for key, value in settings.items():
+        _set(cfg, key, value)
+    cfg.algorithm.name = job if job != "rl" else run_label(cfg)
+    if named is not None and str(named) != cfg.algorithm.name:  # a saved config may repeat it, never change it
+        raise ConfigError(f"algorithm.name={named!r} contradicts this run, which is {cfg.algorithm.name!r}: the "
+                          "command sets sft and dpo (`rlflow sft`, `rlflow dpo`); an RL run's name follows "
+                          "algorithm.advantage and actor.policy_loss (advantage gae is ppo)")
     if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained; SFT is the training itself
-        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if cfg.model.path == EMBEDDED and cfg.algorithm.name != "sft" \
-            else 0
+        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if cfg.model.path == EMBEDDED and job != "sft" else 0
     validate(cfg)
     return cfg
+
+
+def run_label(cfg: Config) -> str:
+    """An RL run's `algorithm.name`, from the settings that change its math: the advantage estimator (gae is
+    ppo; grpo with dynamic sampling is dapo), then `+policy_loss` when that is not ppo's: grpo+gspo."""
+    alg = cfg.algorithm
+    label = "ppo" if alg.advantage == "gae" else alg.advantage
+    if label == "grpo" and alg.dynamic_sampling_tries:
+        label = "dapo"
+    return label if cfg.actor.policy_loss == "ppo" else f"{label}+{cfg.actor.policy_loss}"
+
+
+def job_of(cfg: Config) -> str:
+    """rl, sft or dpo: what the command runs (`algorithm.name` holds sft and dpo as they are)."""
+    return cfg.algorithm.name if cfg.algorithm.name in ("sft", "dpo") else "rl"
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+JOBS = ("rl", "sft", "dpo")  # what `rlflow train`, `rlflow sft` and `rlflow dpo` run
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "rollout.dtype": ("float32", "bfloat16"),
@@ -275,7 +304,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.loss_agg": LOSS_AGGS,  # the algorithm switches: the names engine/algos.py dispatches on
     "actor.kl_loss_type": KL_ESTIMATORS,
     "actor.policy_loss": POLICY_LOSSES,
-    "algorithm.name": ("grpo", "ppo", "dpo", "sft"),  # dpo, sft: set by `rlflow dpo`, `rlflow sft`
     "algorithm.advantage": ADVANTAGES,
     "algorithm.kl_penalty": KL_ESTIMATORS,
     "reward.on_error": ("zero", "raise"),
@@ -300,8 +328,8 @@ def _validate_sp(cfg: Config) -> None:
         return
     if a.pack_sequences or a.share_prompts:
         raise ConfigError("actor.sp > 1 runs padded rows: set actor.pack_sequences=false and actor.share_prompts=false")
-    if cfg.algorithm.name not in ("grpo", "ppo") or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo":
-        raise ConfigError(f"actor.sp > 1 trains grpo/ppo with a token-level loss; got algorithm.name="
+    if job_of(cfg) != "rl" or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo":
+        raise ConfigError(f"actor.sp > 1 trains RL with a token-level loss; got algorithm.name="
                           f"{cfg.algorithm.name}, actor.loss_agg={a.loss_agg}, actor.policy_loss={a.policy_loss}")
 
 
@@ -355,7 +383,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"placement.own_pool takes reward, reference, critic and/or rollout, got {p.own_pool}")
     if "rollout" in p.own_pool:
         _validate_split(cfg)
-    if cfg.algorithm.name == "sft" and cfg.warmstart.steps:
+    if job_of(cfg) == "sft" and cfg.warmstart.steps:
         raise ConfigError(f"warmstart.steps={cfg.warmstart.steps} with algorithm.name=sft: SFT is the supervised "
                           "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
@@ -365,11 +393,12 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_critic(cfg: Config) -> None:
-    """PPO's critic exists exactly when advantages are GAE's."""
+    """PPO's critic exists exactly when advantages are GAE's, which only RL computes."""
     alg, c, gae = cfg.algorithm, cfg.critic, cfg.algorithm.advantage == "gae"
-    if (alg.name == "ppo") != gae:
-        raise ConfigError(f"algorithm.name={alg.name!r} with algorithm.advantage={alg.advantage!r}: PPO is the "
-                          "run whose advantages come from its critic, so name ppo goes with advantage gae")
+    if job_of(cfg) == "rl" and alg.name != run_label(cfg):
+        raise ConfigError(f"algorithm.name={alg.name!r} is derived and this config makes it {run_label(cfg)!r}")
+    if gae and job_of(cfg) != "rl":
+        raise ConfigError(f"algorithm.advantage=gae trains a critic, which {alg.name} has no use for")
     if not (0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1):
         raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {alg.gamma}, {alg.lam}")
     if c.lr <= 0 or c.cliprange_value <= 0:
@@ -386,7 +415,7 @@ def _validate_critic(cfg: Config) -> None:
 def _validate_split(cfg: Config) -> None:
     """A rollout pool of its own: generation on other workers, fed by a weight broadcast."""
     p = cfg.placement
-    if cfg.algorithm.name in ("sft", "dpo"):
+    if job_of(cfg) != "rl":
         raise ConfigError(f"placement.own_pool lists rollout, but algorithm.name={cfg.algorithm.name} never generates")
     if 0 < p.gpus_per_worker < 1:
         raise ConfigError(f"placement.own_pool=[rollout] with placement.gpus_per_worker={p.gpus_per_worker}: a "
