@@ -10,12 +10,14 @@ Invariants:
 - the algorithm switches accept exactly the names engine/algos.py dispatches on (its tuples);
 - `algorithm.name` is derived, never a switch: the command picks the job (rl, sft, dpo), an RL run's label
   follows its settings (`run_label`); a value that contradicts them is an error;
+- a pipeline that needs other values than the user's changes them through `override`, which says so;
 - `validate()` runs before any worker starts, so a bad run fails in seconds, not after setup;
 - `to_dict(cfg)` round-trips through `load_config` with the same job (it is what a checkpoint stores).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import typing
@@ -288,6 +290,23 @@ def run_label(cfg: Config) -> str:
 def job_of(cfg: Config) -> str:
     """rl, sft or dpo: what the command runs (`algorithm.name` holds sft and dpo as they are)."""
     return cfg.algorithm.name if cfg.algorithm.name in ("sft", "dpo") else "rl"
+
+
+def override(cfg: Config, why: str, **changes: Any) -> Config:
+    """A copy of `cfg` with `changes` by dotted key (`**{"actor.ppo_epochs": 1}`), for a pipeline that needs
+    other values than the user's. Prints one line per value it changes, so none changes silently:
+    `rlflow: sft sets actor.ppo_epochs=1 (was 4): one step is one optimizer step`. Not validated."""
+    out = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        if key == "algorithm.name":
+            raise ConfigError("algorithm.name is derived; change the settings it follows")
+        _set(out, key, value)
+        old, new = _get(cfg, key), _get(out, key)
+        if new != old:
+            print(f"rlflow: {cfg.algorithm.name} sets {key}={new} (was {old}): {why}", flush=True)
+    if job_of(out) == "rl":
+        out.algorithm.name = run_label(out)
+    return out
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:

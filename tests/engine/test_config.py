@@ -10,6 +10,7 @@ from engine.config import (
     all_keys,
     load_config,
     meanings,
+    override,
     reference_markdown,
     to_dict,
 )
@@ -181,3 +182,29 @@ def test_the_command_sets_the_job(job):
 def test_ppo_is_gae_without_naming_it():
     cfg = load_config(None, ["algorithm.advantage=gae", "critic.warmup_steps=3"])
     assert cfg.algorithm.name == "ppo" and cfg.critic.warmup_steps == 3
+
+
+def test_override_says_what_it_changes(capsys):
+    cfg = load_config(None, ["actor.ppo_epochs=4"], job="sft")
+    out = override(cfg, "one step is one optimizer step", **{"actor.ppo_epochs": 1, "actor.mini_batch_prompts": 64,
+                                                            "actor.lr": 1})
+    assert capsys.readouterr().out.splitlines() == [
+        "rlflow: sft sets actor.ppo_epochs=1 (was 4): one step is one optimizer step",
+        "rlflow: sft sets actor.mini_batch_prompts=64 (was 16): one step is one optimizer step",
+        "rlflow: sft sets actor.lr=1.0 (was 0.0002): one step is one optimizer step",
+    ]
+    assert (out.actor.ppo_epochs, out.actor.mini_batch_prompts, out.actor.lr) == (1, 64, 1.0)
+    assert cfg.actor.ppo_epochs == 4 and cfg.actor.mini_batch_prompts == 16  # the caller's config is unchanged
+    assert override(out, "again", **{"actor.ppo_epochs": 1}) == out
+    assert capsys.readouterr().out == ""  # nothing to say when a value already matches
+
+
+def test_override_keeps_the_name_derived_and_refuses_unknown_keys():
+    cfg = override(load_config(), "a critic", **{"algorithm.advantage": "gae"})
+    assert cfg.algorithm.name == "ppo"
+    with pytest.raises(ConfigError, match="did you mean 'actor.ppo_epochs'"):
+        override(cfg, "typo", **{"actor.ppo_epoch": 1})
+    with pytest.raises(ConfigError, match="must be int"):
+        override(cfg, "type", **{"actor.ppo_epochs": "one"})
+    with pytest.raises(ConfigError, match="derived"):
+        override(cfg, "rename", **{"algorithm.name": "dpo"})
