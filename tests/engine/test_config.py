@@ -2,11 +2,15 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from engine import algos
 from engine.config import (
     CHOICES,
+    Config,
     ConfigError,
+    _coerce,
+    _flatten,
     all_keys,
     load_config,
     meanings,
@@ -121,6 +125,16 @@ def test_every_shipped_config_loads(path):
     cfg = load_config(path, job=job)
     again = load_config(None, [f"{k}={v}" for k, v in _flat(to_dict(cfg)).items() if v not in ([], "")], job)
     assert again == cfg
+
+
+@pytest.mark.parametrize("path", CONFS, ids=lambda p: p.name)
+def test_shipped_configs_hold_only_differences(path):
+    # a restated default would pin today's value silently when the default changes
+    types, default = all_keys(), _flat(to_dict(Config()))
+    diff = _flatten(yaml.safe_load(path.read_text()) or {})
+    restated = [k for k, v in diff.items() if _coerce(k, v, types[k]) == default[k]]
+    assert not restated, f"{path.name} restates defaults: {restated}"
+    assert "algorithm.name" not in diff, "algorithm.name is derived: the command picks sft/dpo"
 
 
 def _flat(d, prefix=""):
