@@ -21,11 +21,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
-ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax")
-POLICY_LOSSES = ("ppo", "gspo", "cispo")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "abs", "k2", "k3", "low_var_kl")
+# The names the math dispatches on, which are also the allowed values of the config keys named beside them
+# (engine/config.py validates against these tuples; there is no second list).
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")  # compare the samples of one prompt
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax")  # no critic
+ADVANTAGES = (*ADVANTAGE_ESTIMATORS, "gae")  # algorithm.advantage; gae (`gae`) reads a critic's values
+POLICY_LOSSES = ("ppo", "gspo", "cispo")  # actor.policy_loss
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # actor.loss_agg
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "low_var_kl")  # actor.kl_loss_type, algorithm.kl_penalty
 
 
 # ---------------------------------------------------------------- masked statistics
@@ -219,7 +222,7 @@ def agg_loss(
         # Dr.GRPO: a constant length normaliser removes the bias towards long wrong answers.
         length = norm_len if norm_len is not None else loss_mat.shape[1]
         return ((loss_mat * mask).sum(dim=-1) / length).sum() / rows
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {AGG_MODES}")
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGGS}")
 
 
 def policy_loss(
@@ -376,10 +379,11 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
     if kind == "k2":
         return 0.5 * diff.square()
     if kind in ("k3", "low_var_kl"):
-        # Schulman's k3: unbiased and always >= 0. Clamping d keeps exp and its gradient finite.
+        # Schulman's k3, r - 1 - log r with r = ref/pi: unbiased and always >= 0. Clamped as verl does, which
+        # calls it low_var_kl: d to [-20, 20] keeps exp and its gradient finite, the estimate to [-10, 10].
         d = (-diff).clamp(-20.0, 20.0)
         return (torch.exp(d) - d - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_KINDS}")
+    raise ValueError(f"unknown kl kind {kind!r}; expected one of {KL_ESTIMATORS}")
 
 
 @dataclass

@@ -6,12 +6,18 @@ YAML scalars and checked against the field's type; `key=` with no value changes 
 
 Invariants:
 - an unknown key is an error that names the closest valid key;
+- every key has a one-line meaning (its field comment), rendered in docs/config.md by `python -m engine.config`;
+- the algorithm switches accept exactly the names engine/algos.py dispatches on (its tuples);
+- `algorithm.name` is derived, never a switch: the command picks the job (rl, sft, dpo), an RL run's label
+  follows its settings (`run_label`); a value that contradicts them is an error;
+- a pipeline that needs other values than the user's changes them through `override`, which says so;
 - `validate()` runs before any worker starts, so a bad run fails in seconds, not after setup;
-- `to_dict(cfg)` round-trips through `load_config` (it is what a checkpoint stores).
+- `to_dict(cfg)` round-trips through `load_config` with the same job (it is what a checkpoint stores).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import typing
@@ -20,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
 EMBEDDED_WARMSTART_STEPS = 1800  # supervised steps that take the embedded model to roughly 20-40%
@@ -33,10 +41,10 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=lambda: [EMBEDDED])  # parquet / jsonl
-    val_files: list[str] = field(default_factory=lambda: [EMBEDDED])
-    prompts_per_step: int = 64
-    max_prompt_tokens: int = 64
+    train_files: list[str] = field(default_factory=lambda: [EMBEDDED])  # training rows: parquet / jsonl, or "embedded"
+    val_files: list[str] = field(default_factory=lambda: [EMBEDDED])  # held-out rows for validation, same formats
+    prompts_per_step: int = 64  # prompts per RL step over all workers (pairs for DPO, examples for SFT)
+    max_prompt_tokens: int = 64  # a longer prompt is skipped or refused (data.overlong_prompts), never truncated
     overlong_prompts: str = "skip"  # skip (counted, logged) | error
     val_max_prompts: int = 256  # 0 = the whole validation set
 
@@ -44,13 +52,13 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     backend: str = "native"  # native (engine/native.py) | hf (transformers generate) | vllm (the vllm extra)
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    samples_per_prompt: int = 8  # responses sampled per prompt: the group that group estimators compare
+    max_new_tokens: int = 8  # response length cap (SFT/DPO: longer answers are skipped)
+    temperature: float = 1.0  # sampling temperature; training logprobs use it too, so the two agree; 0 = greedy
+    top_p: float = 1.0  # sample from the smallest token set holding this much probability; 1 disables
     top_k: int = 0  # 0 disables top-k
     stop_strings: list[str] = field(default_factory=list)  # eos always stops
-    dtype: str = "float32"
+    dtype: str = "float32"  # generation dtype; must equal model.dtype so rollout and training logprobs agree
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
     free_cache: bool = False  # release the rollout's KV cache and weights while training (native: CUDA graphs kept)
     tp: int = 1  # native: tensor-parallel size of generation; groups of tp consecutive workers share their prompts
@@ -58,49 +66,50 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | cosine
-    mini_batch_prompts: int = 16  # prompts per optimizer step
-    micro_batch_tokens_per_gpu: int = 4096  # tokens per forward/backward: real ones if packed, else rows x width
-    pack_sequences: bool = False  # sequences end to end in one row (pays off on CUDA; on CPU a block mask)
+    """The policy's training. Keys marked "critic too" also set how the critic (`algorithm.advantage=gae`) trains."""
+    lr: float = 2e-4  # peak AdamW learning rate of the policy (the critic has critic.lr)
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay (critic too)
+    grad_clip: float = 1.0  # clip the global gradient norm of each optimizer step to this (critic too)
+    warmup_steps: int = 0  # optimizer steps of linear lr warmup (critic too; not critic.warmup_steps)
+    lr_schedule: str = "constant"  # after warmup: constant | cosine, to 0 at the last optimizer step (critic too)
+    mini_batch_prompts: int = 16  # prompts per optimizer step (critic too)
+    micro_batch_tokens_per_gpu: int = 4096  # tokens per forward/backward; rows x width unless packed (critic too)
+    pack_sequences: bool = False  # sequences end to end in one row (pays off on CUDA; on CPU a block mask) (critic too)
     share_prompts: bool = False  # each prompt computed once for its samples (CUDA: flex; timed at equal lengths only)
-    ppo_epochs: int = 1
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
+    ppo_epochs: int = 1  # passes over each step's samples; > 1 reuses them under the clipped ratio (critic too)
+    clip_low: float = 0.2  # the ratio's lower clip bound is 1 - clip_low
+    clip_high: float = 0.2  # upper bound 1 + clip_high; > clip_low is DAPO's clip-higher
     dual_clip: float = 0.0  # 0 disables; else c > 1
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
     policy_loss: str = "ppo"  # ppo (token ratio) | gspo (sequence ratio) | cispo (clipped IS weight x logprob)
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "k3"  # k1 | k2 | k3 | abs
-    entropy_coef: float = 0.0
+    kl_loss_coef: float = 0.0  # weight of the KL-to-reference loss term; 0 = none (and RL runs no reference model)
+    kl_loss_type: str = "k3"  # its estimator: k1 | k2 | k3 | low_var_kl (verl's name for k3) | abs
+    entropy_coef: float = 0.0  # weight of the entropy bonus subtracted from the loss; 0 = none
     offload_optimizer: bool = False  # CUDA: optimizer state in pinned CPU memory while generating
-    activation_checkpointing: bool = False  # recompute decoder layers in backward (actor and critic)
-    compile_layers: bool = False  # decoder layers through torch.compile (actor and critic); the first steps compile
+    activation_checkpointing: bool = False  # recompute decoder layers in backward (critic too)
+    compile_layers: bool = False  # decoder layers through torch.compile; the first steps compile (critic too)
     sp: int = 1  # Ulysses sequence parallel size: groups of sp workers train on slices of the same rows
 
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | ppo (a run label; ppo goes with advantage=gae) | dpo | sft (set by `rlflow dpo/sft`)
+    name: str = "grpo"  # derived, not a switch: the command's sft | dpo, or the RL label (run_label: gae is ppo)
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | gae (critic)
-    gamma: float = 1.0
+    gamma: float = 1.0  # discount of per-token returns (reinforce_pp, gae)
     lam: float = 1.0  # GAE lambda: 1 = Monte Carlo return minus the value, 0 = one-step TD
-    kl_in_reward: bool = False
-    kl_coef: float = 0.001
-    kl_penalty: str = "k1"
+    kl_in_reward: bool = False  # subtract a per-token KL to the reference from the reward (reinforce_pp, gae)
+    kl_coef: float = 0.001  # that KL's coefficient (the starting one when kl_target > 0)
+    kl_penalty: str = "k1"  # that KL's estimator, as actor.kl_loss_type
     kl_target: float = 0.0  # > 0 makes the in-reward KL coefficient adaptive
-    kl_horizon: int = 10000
+    kl_horizon: int = 10000  # adaptive: responses over which the coefficient moves by at most 20%
     dynamic_sampling_tries: int = 0  # DAPO: > 0 drops groups with equal rewards, generating up to this many rounds
 
 
 @dataclass
 class CriticConfig:
     """The value model of `algorithm.advantage=gae`: the policy's backbone with a one-output head, trained with
-    its own optimizer; batch sizes, epochs, grad clip, weight decay and lr schedule are the actor's."""
-    lr: float = 5e-4  # its own AdamW; batch sizes, epochs, grad clip and lr schedule are the actor's
+    its own AdamW at critic.lr; the rest of its training follows the actor keys marked "critic too"."""
+    lr: float = 5e-4  # its own AdamW's lr; batch sizes, epochs and the rest: the actor's keys marked "critic too"
     warmup_steps: int = 0  # first RL steps that train only the critic, so the actor starts from useful values
     cliprange_value: float = 0.5  # a value moves at most this far from its pre-update value per step (clipped loss)
 
@@ -125,8 +134,8 @@ class DPOConfig:
 @dataclass
 class WarmstartConfig:
     steps: int = -1  # supervised steps on the train answers before RL/DPO; 0 skips; -1: 1800 for embedded, else 0
-    lr: float = 1e-3
-    batch_size: int = 32
+    lr: float = 1e-3  # the warm start's constant learning rate
+    batch_size: int = 32  # examples per warm-start step, on one worker
 
 
 @dataclass
@@ -139,24 +148,24 @@ class PlacementConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 100
+    total_steps: int = 100  # steps of the run, each on data.prompts_per_step prompts (pairs, examples)
     save_every: int = 0  # 0 = only at the end
-    keep_last: int = 2
+    keep_last: int = 2  # newest complete checkpoints kept; older ones are deleted
     log_checkpoint: bool = True  # also copy the final checkpoint into the MLflow run (twice the disk on a local store)
     resume: str = "auto"  # auto | never | <checkpoint dir>
-    output_dir: str = "outputs/rlflow"
-    seed: int = 0
-    val_every: int = 10
+    output_dir: str = "outputs/rlflow"  # checkpoints, the exported hf_model, the embedded task's files
+    seed: int = 0  # seeds data order, sampling, the embedded task and model, and the critic's head
+    val_every: int = 10  # validate every k steps; 0 = only at the end, where a run always validates
     val_samples: int = 4  # k sampled answers per validation prompt for mean@k / pass@k; 0 = greedy only
-    samples_every: int = 10  # log a table of sample generations
+    samples_every: int = 10  # log a table of sample generations every k steps; 0 = never
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
     max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
     step_timeout_s: float = 3600.0  # a step or validation running longer counts as a stuck worker (rebuilt too)
     max_consecutive_skips: int = 5  # stop after this many non-finite optimizer steps in a row; 0 never
-    experiment: str = "rlflow"
-    run_name: str = ""
+    experiment: str = "rlflow"  # MLflow experiment of the run
+    run_name: str = ""  # MLflow run name; "" lets MLflow pick one
     register_model: str = ""  # Model Registry name for the exported policy; "" = don't register
-    progress: bool = True
+    progress: bool = True  # print progress while training (a bar, or a line every 10 steps)
 
 
 @dataclass
@@ -235,48 +244,90 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the YAML diff at `path`, then `key=value` overrides; validated."""
-    cfg = Config()
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                job: str = "rl") -> Config:
+    """Defaults, then the YAML diff at `path`, then `key=value` overrides, for the `job` its command runs
+    (`rlflow train`: rl, `rlflow sft`: sft, `rlflow dpo`: dpo); validated."""
+    if job not in JOBS:
+        raise ConfigError(f"job {job!r}: choose one of {list(JOBS)}")
+    settings: dict[str, Any] = {}
     if path:
         diff = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(diff, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
-        for key, value in _flatten(diff).items():
-            _set(cfg, key, value)
+        settings.update(_flatten(diff))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
             raise ConfigError(f"override '{item}' is not key=value")
         if raw.strip():  # `key=` (empty) keeps the configured value, as MLproject defaults rely on
-            _set(cfg, key.strip(), yaml.safe_load(raw))
+            settings[key.strip()] = yaml.safe_load(raw)
+    named = settings.pop("algorithm.name", None)
+    cfg = Config()
+    for key, value in settings.items():
+        _set(cfg, key, value)
+    cfg.algorithm.name = job if job != "rl" else run_label(cfg)
+    if named is not None and str(named) != cfg.algorithm.name:  # a saved config may repeat it, never change it
+        raise ConfigError(f"algorithm.name={named!r} contradicts this run, which is {cfg.algorithm.name!r}: the "
+                          "command sets sft and dpo (`rlflow sft`, `rlflow dpo`); an RL run's name follows "
+                          "algorithm.advantage and actor.policy_loss (advantage gae is ppo)")
     if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained; SFT is the training itself
-        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if cfg.model.path == EMBEDDED and cfg.algorithm.name != "sft" \
-            else 0
+        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if cfg.model.path == EMBEDDED and job != "sft" else 0
     validate(cfg)
     return cfg
+
+
+def run_label(cfg: Config) -> str:
+    """An RL run's `algorithm.name`, from the settings that change its math: the advantage estimator (gae is
+    ppo; grpo with dynamic sampling is dapo), then `+policy_loss` when that is not ppo's: grpo+gspo."""
+    alg = cfg.algorithm
+    label = "ppo" if alg.advantage == "gae" else alg.advantage
+    if label == "grpo" and alg.dynamic_sampling_tries:
+        label = "dapo"
+    return label if cfg.actor.policy_loss == "ppo" else f"{label}+{cfg.actor.policy_loss}"
+
+
+def job_of(cfg: Config) -> str:
+    """rl, sft or dpo: what the command runs (`algorithm.name` holds sft and dpo as they are)."""
+    return cfg.algorithm.name if cfg.algorithm.name in ("sft", "dpo") else "rl"
+
+
+def override(cfg: Config, why: str, **changes: Any) -> Config:
+    """A copy of `cfg` with `changes` by dotted key (`**{"actor.ppo_epochs": 1}`), for a pipeline that needs
+    other values than the user's. Prints one line per value it changes, so none changes silently:
+    `rlflow: sft sets actor.ppo_epochs=1 (was 4): one step is one optimizer step`. Not validated."""
+    out = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        if key == "algorithm.name":
+            raise ConfigError("algorithm.name is derived; change the settings it follows")
+        _set(out, key, value)
+        old, new = _get(cfg, key), _get(out, key)
+        if new != old:
+            print(f"rlflow: {cfg.algorithm.name} sets {key}={new} (was {old}): {why}", flush=True)
+    if job_of(out) == "rl":
+        out.algorithm.name = run_label(out)
+    return out
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-CHOICES = {
-    "model.dtype": {"float32", "bfloat16"},
-    "rollout.dtype": {"float32", "bfloat16"},
-    "rollout.backend": {"hf", "native", "vllm"},
-    "data.overlong_prompts": {"skip", "error"},
-    "actor.lr_schedule": {"constant", "cosine"},
-    "actor.loss_agg": {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"},
-    "actor.kl_loss_type": {"k1", "k2", "k3", "abs"},
-    "actor.policy_loss": {"ppo", "gspo", "cispo"},
-    "algorithm.name": {"grpo", "ppo", "dpo", "sft"},  # dpo, sft: set by `rlflow dpo`, `rlflow sft`
-    "algorithm.advantage": {"grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"},
-    "algorithm.kl_penalty": {"k1", "k2", "k3", "abs"},
-    "reward.on_error": {"zero", "raise"},
-    "trainer.dag": {"compiled", "plain"},
+JOBS = ("rl", "sft", "dpo")  # what `rlflow train`, `rlflow sft` and `rlflow dpo` run
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16"),
+    "rollout.dtype": ("float32", "bfloat16"),
+    "rollout.backend": ("hf", "native", "vllm"),
+    "data.overlong_prompts": ("skip", "error"),
+    "actor.lr_schedule": ("constant", "cosine"),
+    "actor.loss_agg": LOSS_AGGS,  # the algorithm switches: the names engine/algos.py dispatches on
+    "actor.kl_loss_type": KL_ESTIMATORS,
+    "actor.policy_loss": POLICY_LOSSES,
+    "algorithm.advantage": ADVANTAGES,
+    "algorithm.kl_penalty": KL_ESTIMATORS,
+    "reward.on_error": ("zero", "raise"),
+    "trainer.dag": ("compiled", "plain"),
 }
-GROUP_ESTIMATORS = {"grpo", "drgrpo", "rloo", "reinforce_pp_baseline"}
 
 
 def _get(cfg: Config, key: str) -> Any:
@@ -296,8 +347,8 @@ def _validate_sp(cfg: Config) -> None:
         return
     if a.pack_sequences or a.share_prompts:
         raise ConfigError("actor.sp > 1 runs padded rows: set actor.pack_sequences=false and actor.share_prompts=false")
-    if cfg.algorithm.name not in ("grpo", "ppo") or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo":
-        raise ConfigError(f"actor.sp > 1 trains grpo/ppo with a token-level loss; got algorithm.name="
+    if job_of(cfg) != "rl" or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo":
+        raise ConfigError(f"actor.sp > 1 trains RL with a token-level loss; got algorithm.name="
                           f"{cfg.algorithm.name}, actor.loss_agg={a.loss_agg}, actor.policy_loss={a.policy_loss}")
 
 
@@ -305,7 +356,7 @@ def validate(cfg: Config) -> None:
     """Every check that can fail before work starts. Raises ConfigError naming the key."""
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
-            raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {sorted(allowed)}")
+            raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {list(allowed)}")
     d, r, a, p = cfg.data, cfg.rollout, cfg.actor, cfg.placement
     positive = {"data.prompts_per_step": d.prompts_per_step, "data.max_prompt_tokens": d.max_prompt_tokens,
                 "rollout.max_new_tokens": r.max_new_tokens, "actor.mini_batch_prompts": a.mini_batch_prompts,
@@ -351,7 +402,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"placement.own_pool takes reward, reference, critic and/or rollout, got {p.own_pool}")
     if "rollout" in p.own_pool:
         _validate_split(cfg)
-    if cfg.algorithm.name == "sft" and cfg.warmstart.steps:
+    if job_of(cfg) == "sft" and cfg.warmstart.steps:
         raise ConfigError(f"warmstart.steps={cfg.warmstart.steps} with algorithm.name=sft: SFT is the supervised "
                           "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
@@ -361,11 +412,12 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_critic(cfg: Config) -> None:
-    """PPO's critic exists exactly when advantages are GAE's."""
+    """PPO's critic exists exactly when advantages are GAE's, which only RL computes."""
     alg, c, gae = cfg.algorithm, cfg.critic, cfg.algorithm.advantage == "gae"
-    if (alg.name == "ppo") != gae:
-        raise ConfigError(f"algorithm.name={alg.name!r} with algorithm.advantage={alg.advantage!r}: PPO is the "
-                          "run whose advantages come from its critic, so name ppo goes with advantage gae")
+    if job_of(cfg) == "rl" and alg.name != run_label(cfg):
+        raise ConfigError(f"algorithm.name={alg.name!r} is derived and this config makes it {run_label(cfg)!r}")
+    if gae and job_of(cfg) != "rl":
+        raise ConfigError(f"algorithm.advantage=gae trains a critic, which {alg.name} has no use for")
     if not (0 <= alg.gamma <= 1 and 0 <= alg.lam <= 1):
         raise ConfigError(f"algorithm.gamma and algorithm.lam must be in [0, 1], got {alg.gamma}, {alg.lam}")
     if c.lr <= 0 or c.cliprange_value <= 0:
@@ -382,7 +434,7 @@ def _validate_critic(cfg: Config) -> None:
 def _validate_split(cfg: Config) -> None:
     """A rollout pool of its own: generation on other workers, fed by a weight broadcast."""
     p = cfg.placement
-    if cfg.algorithm.name in ("sft", "dpo"):
+    if job_of(cfg) != "rl":
         raise ConfigError(f"placement.own_pool lists rollout, but algorithm.name={cfg.algorithm.name} never generates")
     if 0 < p.gpus_per_worker < 1:
         raise ConfigError(f"placement.own_pool=[rollout] with placement.gpus_per_worker={p.gpus_per_worker}: a "
@@ -421,20 +473,27 @@ def _validate_dapo(cfg: Config) -> None:
                           "but not the greedy baseline's; use one of them")
 
 
-def reference_markdown() -> str:
-    """The config reference table (docs/config.md), read off the dataclasses and their comments."""
+def meanings() -> dict[str, str]:
+    """{dotted key: its one-line meaning}, read off the field comments of the dataclasses above."""
     import inspect
     import re
 
-    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    out = {}
     for section, cls in typing.get_type_hints(Config).items():
         comments = dict(re.findall(r"^\s+(\w+): [^#\n]*?(?:#\s*(.*))?$", inspect.getsource(cls), re.M))
-        for f in dataclasses.fields(cls):
-            tp = typing.get_type_hints(cls)[f.name]
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc,operator]
-            name = getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is not list else str(tp)
-            meaning = comments.get(f.name, "").replace("|", "\\|")
-            rows.append(f"| `{section}.{f.name}` | {name} | `{default!r}` | {meaning} |")
+        out.update({f"{section}.{f.name}": comments.get(f.name, "") for f in dataclasses.fields(cls)})
+    return out
+
+
+def reference_markdown() -> str:
+    """The config reference table (docs/config.md), read off the dataclasses and their comments."""
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    defaults, meaning = to_dict(Config()), meanings()
+    for key, tp in all_keys().items():
+        section, name = key.split(".")
+        type_name = getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is not list else str(tp)
+        escaped = meaning[key].replace("|", "\\|")
+        rows.append(f"| `{key}` | {type_name} | `{defaults[section][name]!r}` | {escaped} |")
     return "\n".join(rows) + "\n"
 
 

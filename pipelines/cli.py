@@ -1,8 +1,8 @@
 """The `rlflow` command line.
 
     rlflow train [CONFIG.yaml] [key=value ...]   run a config (no arguments: the embedded default)
-    rlflow dpo [CONFIG.yaml] [key=value ...]     DPO on preference pairs (train with algorithm.name=dpo)
-    rlflow sft [CONFIG.yaml] [key=value ...]     supervised fine-tuning on prompt/response rows (algorithm.name=sft)
+    rlflow dpo [CONFIG.yaml] [key=value ...]     DPO on preference pairs
+    rlflow sft [CONFIG.yaml] [key=value ...]     supervised fine-tuning on prompt/response rows
     rlflow config [CONFIG.yaml] [key=value ...]  print the resolved config as YAML
     rlflow export CHECKPOINT|OUTPUT_DIR DEST      write a checkpoint's policy as a HF directory
     rlflow data {gsm8k,math} SRC DST              convert GSM8K/MATH-style rows to rlflow rows
@@ -41,11 +41,11 @@ def split_args(args: list[str]) -> list[str]:
     return out
 
 
-def parse(args: list[str], first: tuple[str, ...] = ()) -> Config:
-    """Config from `[CONFIG.yaml] key=value ...`; `first` overrides apply before the user's."""
+def parse(args: list[str], job: str = "rl") -> Config:
+    """Config from `[CONFIG.yaml] key=value ...` for the command's job: rl, sft or dpo."""
     args = split_args(args)
     path = args[0] if args and "=" not in args[0] else None
-    return load_config(path, [*first, *(args[1:] if path else args)])
+    return load_config(path, args[1:] if path else args, job)
 
 
 def resolve_files(cfg: Config) -> dict[str, list[str]]:
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        cfg = parse(ns.args, (f"algorithm.name={ns.command}",) if ns.command in ("dpo", "sft") else ())
+        cfg = parse(ns.args, ns.command if ns.command in ("dpo", "sft") else "rl")
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2

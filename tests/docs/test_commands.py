@@ -54,4 +54,4 @@ def test_a_documented_command_resolves_to_a_valid_config(command, cwd):
     verb, *args = shlex.split(command)[1:]
     if args and args[0].endswith(".yaml"):
         args[0] = str((cwd / args[0]).resolve())
-    parse(args, (f"algorithm.name={verb}",) if verb in ("dpo", "sft") else ())
+    parse(args, verb if verb in ("dpo", "sft") else "rl")

@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from engine.algos import (
+    ADVANTAGES,
+    KL_ESTIMATORS,
+    LOSS_AGGS,
+    POLICY_LOSSES,
     AdaptiveKLController,
     FixedKLController,
     agg_loss,
@@ -24,6 +28,7 @@ from engine.algos import (
     kl_penalty,
     masked_mean,
     masked_whiten,
+    on_last_token,
     overlong_penalty,
     pass_at_k,
     policy_loss,
@@ -32,6 +37,7 @@ from engine.algos import (
     value_loss,
     varied_groups,
 )
+from engine.config import ActorConfig, AlgorithmConfig
 
 
 def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
@@ -518,3 +524,52 @@ def test_token_logprobs_upcasts_to_float32() -> None:
     assert out.dtype == torch.float32
     expected = torch.log_softmax(logits.float(), dim=-1)[..., 0]
     torch.testing.assert_close(out, expected)
+
+
+# ---------------------------------------------------------------- every switch value does something
+
+# Random inputs shared by the tests below: 2 prompts x 4 samples, ragged response lengths.
+GEN = torch.Generator().manual_seed(0)
+N, T, G = 8, 6, 4
+R_MASK = (torch.arange(T) < torch.randint(1, T + 1, (N,), generator=GEN).unsqueeze(-1)).float()  # [N, T]
+R_SCORES = torch.randn(N, generator=GEN)  # [N]
+R_VALUES = torch.randn(N, T, generator=GEN) * R_MASK  # [N, T], a critic's
+R_GREEDY = torch.randn(N, generator=GEN)  # [N], remax's baseline
+R_LOGP = -torch.rand(N, T, generator=GEN) * 3  # [N, T]
+R_OLD = R_LOGP + 0.3 * torch.randn(N, T, generator=GEN)  # [N, T]
+R_ADV = torch.randn(N, T, generator=GEN) * R_MASK  # [N, T]
+
+
+def advantages_for(estimator: str) -> torch.Tensor:
+    """Advantages [N, T] the way the actor stage computes them for `algorithm.advantage=estimator`."""
+    if estimator == "gae":  # the critic's values; whitened as the stage does
+        return masked_whiten(gae(on_last_token(R_SCORES, R_MASK), R_VALUES, R_MASK, 1.0, 1.0)[0], R_MASK)
+    baseline = R_GREEDY if estimator == "remax" else None
+    return compute_advantages(estimator, R_SCORES, R_MASK, G, baseline=baseline)
+
+
+@pytest.mark.parametrize("estimator", [a for a in ADVANTAGES if a != AlgorithmConfig().advantage])
+def test_every_advantage_value_changes_the_advantages(estimator: str) -> None:
+    assert not torch.allclose(advantages_for(estimator), advantages_for(AlgorithmConfig().advantage))
+
+
+def loss_for(kind: str = ActorConfig().policy_loss, agg: str = ActorConfig().loss_agg) -> torch.Tensor:
+    loss, _ = policy_loss(R_LOGP, R_OLD, R_ADV, R_MASK, agg_mode=agg, norm_len=T, kind=kind)
+    return loss
+
+
+@pytest.mark.parametrize("kind", [k for k in POLICY_LOSSES if k != ActorConfig().policy_loss])
+def test_every_policy_loss_value_changes_the_loss(kind: str) -> None:
+    assert not torch.allclose(loss_for(kind=kind), loss_for())
+
+
+@pytest.mark.parametrize("agg", [a for a in LOSS_AGGS if a != ActorConfig().loss_agg])
+def test_every_loss_agg_value_changes_the_loss(agg: str) -> None:
+    assert not torch.allclose(loss_for(agg=agg), loss_for())
+
+
+@pytest.mark.parametrize("kind", KL_ESTIMATORS)
+def test_every_kl_estimator_is_known(kind: str) -> None:
+    # low_var_kl is verl's name for the clamped k3, so the two agree; every other value differs from k3
+    kl, k3 = kl_penalty(R_LOGP, R_OLD, kind), kl_penalty(R_LOGP, R_OLD, "k3")
+    assert torch.allclose(kl, k3) == (kind in ("k3", "low_var_kl"))

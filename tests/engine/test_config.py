@@ -2,15 +2,29 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
-from engine.config import ConfigError, all_keys, load_config, to_dict
+from engine import algos
+from engine.config import (
+    CHOICES,
+    Config,
+    ConfigError,
+    _coerce,
+    _flatten,
+    all_keys,
+    load_config,
+    meanings,
+    override,
+    reference_markdown,
+    to_dict,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_validate():
     cfg = load_config()
-    assert cfg.algorithm.name == "grpo" and cfg.rollout.samples_per_prompt >= 2
+    assert cfg.algorithm.name == "grpo" and cfg.rollout.samples_per_prompt >= 2 and cfg == load_config(None, [], "rl")
 
 
 def test_overrides_are_typed():
@@ -35,7 +49,7 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(f)
 
 
-@pytest.mark.parametrize("override,message", [
+@pytest.mark.parametrize("overrides,message", [
     ("rollout.samples_per_prompt=1", "samples_per_prompt must be >= 2"),
     ("actor.mini_batch_prompts=48", "not a multiple"),
     ("placement.workers=3", "does not split"),
@@ -56,15 +70,15 @@ def test_unknown_key_in_yaml(tmp_path):
     (["algorithm.advantage=remax", "reward.overlong_buffer=2"], "greedy baseline"),
     ("trainer.val_samples=-1", "must be >= 0"),
     ("trainer.step_timeout_s=0", "step_timeout_s must be > 0"),
-    ("algorithm.advantage=gae", "name ppo goes with advantage gae"),
-    ("algorithm.name=ppo", "name ppo goes with advantage gae"),
+    ("algorithm.name=ppo", "contradicts this run, which is 'grpo'"),
+    ("algorithm.name=dpo", "the command sets sft and dpo"),
+    (["algorithm.advantage=gae", "algorithm.name=grpo"], "contradicts this run, which is 'ppo'"),
     ("critic.warmup_steps=3", "needs algorithm.advantage=gae"),
     ("placement.own_pool=[critic]", "only algorithm.advantage=gae runs one"),
-    (["algorithm.name=ppo", "algorithm.advantage=gae", "critic.warmup_steps=100"], "or the actor never trains"),
-    (["algorithm.name=ppo", "algorithm.advantage=gae", "algorithm.lam=1.5"], "must be in \\[0, 1\\]"),
-    (["algorithm.name=ppo", "algorithm.advantage=gae", "critic.cliprange_value=0"], "must be > 0"),
+    (["algorithm.advantage=gae", "critic.warmup_steps=100"], "or the actor never trains"),
+    (["algorithm.advantage=gae", "algorithm.lam=1.5"], "must be in \\[0, 1\\]"),
+    (["algorithm.advantage=gae", "critic.cliprange_value=0"], "must be > 0"),
     ("placement.own_pool=[actor]", "takes reward, reference, critic and/or rollout"),
-    (["placement.own_pool=[rollout]", "algorithm.name=dpo"], "never generates"),
     (["placement.own_pool=[rollout]", "placement.gpus_per_worker=0.5"], "NCCL connects no two ranks"),
     (["placement.own_pool=[rollout]", "rollout.free_cache=true"], "each has its own GPUs"),
     (["placement.own_pool=[rollout]", "actor.offload_optimizer=true"], "each has its own GPUs"),
@@ -73,13 +87,13 @@ def test_unknown_key_in_yaml(tmp_path):
     (["placement.workers=2", "actor.sp=2", "actor.loss_agg=seq-mean-token-mean"], "token-level loss"),
     (["placement.workers=2", "actor.sp=2", "actor.policy_loss=gspo"], "token-level loss"),
 ])
-def test_invalid_values_fail_before_work(override, message):
+def test_invalid_values_fail_before_work(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config(None, override if isinstance(override, list) else [override])
+        load_config(None, overrides if isinstance(overrides, list) else [overrides])
 
 
 def test_ppo_needs_no_group_and_may_split_off_its_critic():
-    cfg = load_config(None, ["algorithm.name=ppo", "algorithm.advantage=gae", "rollout.samples_per_prompt=1",
+    cfg = load_config(None, ["algorithm.advantage=gae", "rollout.samples_per_prompt=1",
                              "placement.own_pool=[critic]", "algorithm.kl_in_reward=true"])
     assert cfg.rollout.samples_per_prompt == 1 and cfg.placement.own_pool == ["critic"]
 
@@ -97,10 +111,30 @@ def test_drgrpo_with_one_sample_is_still_a_group_error():
         load_config(None, ["algorithm.advantage=drgrpo", "rollout.samples_per_prompt=1"])
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
+CONFS = sorted((ROOT / "conf").glob("*.yaml"))
+
+
+def job_of_conf(path: Path) -> str:
+    """The job a shipped config is run as: `rlflow dpo conf/dpo.yaml`, `rlflow sft conf/sft.yaml`."""
+    return path.stem if path.stem in ("dpo", "sft") else "rl"
+
+
+@pytest.mark.parametrize("path", CONFS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    cfg = load_config(path)
-    assert load_config(None, [f"{k}={v}" for k, v in _flat(to_dict(cfg)).items() if v not in ([], "")]) == cfg
+    job = job_of_conf(path)
+    cfg = load_config(path, job=job)
+    again = load_config(None, [f"{k}={v}" for k, v in _flat(to_dict(cfg)).items() if v not in ([], "")], job)
+    assert again == cfg
+
+
+@pytest.mark.parametrize("path", CONFS, ids=lambda p: p.name)
+def test_shipped_configs_hold_only_differences(path):
+    # a restated default would pin today's value silently when the default changes
+    types, default = all_keys(), _flat(to_dict(Config()))
+    diff = _flatten(yaml.safe_load(path.read_text()) or {})
+    restated = [k for k, v in diff.items() if _coerce(k, v, types[k]) == default[k]]
+    assert not restated, f"{path.name} restates defaults: {restated}"
+    assert "algorithm.name" not in diff, "algorithm.name is derived: the command picks sft/dpo"
 
 
 def _flat(d, prefix=""):
@@ -114,3 +148,77 @@ def test_readme_config_reference_lists_every_key():
     text = (ROOT / "docs" / "config.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", text, re.M))
     assert documented == set(all_keys()), "regenerate: python -m engine.config > docs/config.md"
+    assert reference_markdown() in text, "regenerate: python -m engine.config > docs/config.md"
+
+
+def test_every_key_has_a_meaning_within_the_budget():
+    unexplained = [k for k, meaning in meanings().items() if not meaning.strip()]
+    assert not unexplained, f"give these keys a field comment: {unexplained}"
+    assert set(meanings()) == set(all_keys()) and len(all_keys()) <= 90, "keys are a cost: budget 90"
+
+
+def test_algorithm_switches_accept_exactly_what_the_math_dispatches_on():
+    assert CHOICES["algorithm.advantage"] is algos.ADVANTAGES and CHOICES["actor.policy_loss"] is algos.POLICY_LOSSES
+    assert CHOICES["actor.loss_agg"] is algos.LOSS_AGGS
+    assert CHOICES["actor.kl_loss_type"] is CHOICES["algorithm.kl_penalty"] is algos.KL_ESTIMATORS
+    cfg = load_config(None, ["actor.kl_loss_type=low_var_kl", "algorithm.kl_penalty=low_var_kl"])
+    assert cfg.actor.kl_loss_type == cfg.algorithm.kl_penalty == "low_var_kl"
+
+
+@pytest.mark.parametrize("overrides,name", [
+    ([], "grpo"),
+    (["algorithm.advantage=gae"], "ppo"),
+    (["algorithm.advantage=rloo"], "rloo"),
+    (["algorithm.dynamic_sampling_tries=3"], "dapo"),
+    (["actor.policy_loss=gspo"], "grpo+gspo"),
+    (["algorithm.advantage=gae", "actor.policy_loss=cispo"], "ppo+cispo"),
+    (["algorithm.advantage=gae", "algorithm.name=ppo"], "ppo"),  # a saved config may repeat it
+])
+def test_an_rl_runs_name_follows_its_settings(overrides, name):
+    assert load_config(None, overrides).algorithm.name == name
+
+
+@pytest.mark.parametrize("job", ["sft", "dpo"])
+def test_the_command_sets_the_job(job):
+    cfg = load_config(None, [f"algorithm.name={job}"], job=job)
+    assert cfg.algorithm.name == job
+    assert load_config(None, [], job=job).warmstart.steps == (0 if job == "sft" else 1800)
+    with pytest.raises(ConfigError, match=f"contradicts this run, which is '{job}'"):
+        load_config(None, ["algorithm.name=grpo"], job=job)
+    with pytest.raises(ConfigError, match="trains a critic"):
+        load_config(None, ["algorithm.advantage=gae"], job=job)
+    with pytest.raises(ConfigError, match="never generates"):
+        load_config(None, ["placement.own_pool=[rollout]"], job=job)
+    with pytest.raises(ConfigError, match="choose one of"):
+        load_config(None, [], job="ppo")
+
+
+def test_ppo_is_gae_without_naming_it():
+    cfg = load_config(None, ["algorithm.advantage=gae", "critic.warmup_steps=3"])
+    assert cfg.algorithm.name == "ppo" and cfg.critic.warmup_steps == 3
+
+
+def test_override_says_what_it_changes(capsys):
+    cfg = load_config(None, ["actor.ppo_epochs=4"], job="sft")
+    out = override(cfg, "one step is one optimizer step", **{"actor.ppo_epochs": 1, "actor.mini_batch_prompts": 64,
+                                                            "actor.lr": 1})
+    assert capsys.readouterr().out.splitlines() == [
+        "rlflow: sft sets actor.ppo_epochs=1 (was 4): one step is one optimizer step",
+        "rlflow: sft sets actor.mini_batch_prompts=64 (was 16): one step is one optimizer step",
+        "rlflow: sft sets actor.lr=1.0 (was 0.0002): one step is one optimizer step",
+    ]
+    assert (out.actor.ppo_epochs, out.actor.mini_batch_prompts, out.actor.lr) == (1, 64, 1.0)
+    assert cfg.actor.ppo_epochs == 4 and cfg.actor.mini_batch_prompts == 16  # the caller's config is unchanged
+    assert override(out, "again", **{"actor.ppo_epochs": 1}) == out
+    assert capsys.readouterr().out == ""  # nothing to say when a value already matches
+
+
+def test_override_keeps_the_name_derived_and_refuses_unknown_keys():
+    cfg = override(load_config(), "a critic", **{"algorithm.advantage": "gae"})
+    assert cfg.algorithm.name == "ppo"
+    with pytest.raises(ConfigError, match="did you mean 'actor.ppo_epochs'"):
+        override(cfg, "typo", **{"actor.ppo_epoch": 1})
+    with pytest.raises(ConfigError, match="must be int"):
+        override(cfg, "type", **{"actor.ppo_epochs": "one"})
+    with pytest.raises(ConfigError, match="derived"):
+        override(cfg, "rename", **{"algorithm.name": "dpo"})
