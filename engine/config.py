@@ -51,7 +51,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "native"  # native (engine/native.py) | hf (transformers generate) | vllm (the vllm extra)
+    backend: str = "native"  # native (engine/rollout/native.py) | hf (transformers generate) | vllm (the vllm extra)
     samples_per_prompt: int = 8  # responses sampled per prompt: the group that group estimators compare
     max_new_tokens: int = 8  # response length cap (SFT/DPO: longer answers are skipped)
     temperature: float = 1.0  # sampling temperature; training logprobs use it too, so the two agree; 0 = greedy

@@ -28,14 +28,13 @@ Run: `rlflow dpo [conf/dpo.yaml] [key=value ...]`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
 
 from engine.batch import Batch
-from engine.config import Config
+from engine.config import Config, override
 from engine.data.prompts import Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
 from pipelines import driver
@@ -122,8 +121,7 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
     """The DPO run; returns the exported HF directory of the final policy."""
     workers = cfg.placement.workers
-    # the reference scores at temperature 1, the models' own distributions
-    cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=1.0))
+    cfg = override(cfg, "DPO compares the models' own distributions", **{"rollout.temperature": 1.0})
     train_pairs, counts, pad_id = load(cfg, model_path, files["train"])
     val_pairs, _, _ = load(cfg, model_path, files["val"])
     val_pairs = val_pairs[:cfg.data.val_max_prompts or None]

@@ -38,7 +38,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.config import Config
+from engine.config import Config, override
 from engine.data.prompts import Example, PromptLoader, load_examples
 from engine.tracking import Tracker
 from pipelines import driver
@@ -107,8 +107,9 @@ def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Example],
 
 
 def sft_config(cfg: Config) -> Config:
-    # one optimizer step per step (so the lr schedule spans trainer.total_steps)
-    return replace(cfg, actor=replace(cfg.actor, mini_batch_prompts=cfg.data.prompts_per_step, ppo_epochs=1))
+    """One optimizer step per step, so the lr schedule spans trainer.total_steps (said where it changes a value)."""
+    return override(cfg, "one SFT step is one optimizer step",
+                    **{"actor.mini_batch_prompts": cfg.data.prompts_per_step, "actor.ppo_epochs": 1})
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
@@ -137,10 +138,12 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
     if (target / "config.json").is_file():
         print(f"warm-start: reusing {target}")
         return str(target)
-    ws_cfg = sft_config(replace(
-        cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant", sp=1),
+    # the warm start's own phase, from the warmstart section: the run's settings stay as they are
+    ws_cfg = replace(
+        cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant", sp=1,
+                           mini_batch_prompts=w.batch_size, ppo_epochs=1),
         data=replace(cfg.data, prompts_per_step=w.batch_size), placement=replace(cfg.placement, workers=1),
-        trainer=replace(cfg.trainer, total_steps=w.steps)))
+        trainer=replace(cfg.trainer, total_steps=w.steps))
     rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them
     stages = launch(ws_cfg, model_path, reward=False, generates=False)
     run_step: Runner | None = None
