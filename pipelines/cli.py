@@ -201,6 +201,7 @@ def run_eval(source: str, cfg: Config) -> dict[str, float]:
         tracker.log_params({"eval": {"source": source, "model_dir": str(model_dir.resolve())},
                             "model": {"dtype": cfg.model.dtype}, **{k: d[k] for k in ("data", "rollout", "reward")}})
         tracker.log_datasets({"eval": files})
+        init_ray(cfg)
         metrics = evaluate(cfg, model_dir, files, tracker)
         status = "FINISHED"
     finally:

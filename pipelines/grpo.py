@@ -49,7 +49,7 @@ from engine.data.prompts import Prompt, PromptLoader, load_prompts
 from engine.tracking import Tracker
 from engine.train.fsdp import balance
 from pipelines import driver
-from pipelines.runtime import SUBMIT, Generator, Stages, launch, wait
+from pipelines.runtime import SUBMIT, Generator, Group, Stages, launch, wait
 from stages.actor import ActorRollout
 from stages.critic import Critic
 from stages.reference import Reference
@@ -85,19 +85,20 @@ def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
     return [prompts[i * len(prompts) // n:(i + 1) * len(prompts) // n] for i in range(n)]
 
 
-def rollout(stages: Stages, prompts: list[Prompt], step: int, greedy: bool = False, samples: int = 0) -> list[Batch]:
-    """Generate and score `prompts` over the ranks with plain calls, outside the step graph.
+def rollout(generator: Group[Generator], reward: Group[Reward] | None, prompts: list[Prompt], step: int,
+            greedy: bool = False, samples: int = 0) -> list[Batch]:
+    """Generate and score `prompts` over the ranks with plain calls, outside the step graph
+    (validation, dynamic sampling, `rlflow eval`).
 
     Every rank generates (tensor-parallel ranks generate together), also one left without a
     prompt when there are fewer prompts than ranks; its empty batch is not scored."""
-    gen, reward = stages.generator.bound(SUBMIT), stages.reward
     assert reward is not None
-    reward = reward.bound(SUBMIT)
+    gen, score = generator.bound(SUBMIT), reward.bound(SUBMIT)
     refs = []
-    for rank, part in enumerate(shards(prompts, stages.workers)):
+    for rank, part in enumerate(shards(prompts, gen.size)):
         batch = gen.at(rank, Generator.generate, RolloutRequest(part, step, greedy, samples))
-        refs.append(reward.at(rank, Reward.score, batch) if part else batch)
-    return wait(refs, SUBMIT, stages.timeout)
+        refs.append(score.at(rank, Reward.score, batch) if part else batch)
+    return wait(refs, SUBMIT, gen.timeout)
 
 
 def validate(stages: Stages, prompts: list[Prompt], step: int, k: int) -> dict[str, float]:
@@ -105,12 +106,13 @@ def validate(stages: Stages, prompts: list[Prompt], step: int, k: int) -> dict[s
 
     A sample passes when it scores >= 1, a rule reward's full marks.
     """
-    out = prompt_means(rollout(stages, prompts, step, greedy=True), {"greedy_score": lambda s: s[0]})
+    greedy = rollout(stages.generator, stages.reward, prompts, step, greedy=True)
+    out = prompt_means(greedy, {"greedy_score": lambda s: s[0]})
     if k:
         stats: dict[str, Callable[[list[float]], float]] = {f"mean_at_{k}": lambda s: sum(s) / len(s)}
         for j in sorted({2 ** i for i in range(1, k.bit_length())} | {k} - {1}):
             stats[f"pass_at_{j}"] = partial(passed, j)
-        out.update(prompt_means(rollout(stages, prompts, step, samples=k), stats))
+        out.update(prompt_means(rollout(stages.generator, stages.reward, prompts, step, samples=k), stats))
     return out
 
 
@@ -154,7 +156,7 @@ def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int) 
     batches: list[Batch] = []
     timing: dict[str, float] = {}
     for _ in range(tries):
-        scored = rollout(stages, loader.next_batch(), step)
+        scored = rollout(stages.generator, stages.reward, loader.next_batch(), step)
         for key in scored[0].timing:  # ranks run in parallel, rounds one after another
             timing[key] = timing.get(key, 0.0) + max(b.timing[key] for b in scored)
         batches += scored

@@ -245,18 +245,48 @@ def launch(cfg: Config, model_path: str, *, reward: bool = True, reference: bool
     return stages
 
 
+@dataclass
+class Scoring:
+    """A rollout engine and a reward stage on one pool, without a trainer: what `rlflow eval` runs on."""
+
+    generator: Group[Any]  # stages.rollout.Rollout
+    reward: Group[Any]  # stages.reward.Reward
+    pool: Pool
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
+
+def launch_scoring(cfg: Config, model_path: str) -> Scoring:
+    """`placement.workers` processes, each generating with the model at `model_path` and scoring."""
+    from stages.reward import Reward
+    from stages.rollout import Rollout
+
+    p, timeout = cfg.placement, cfg.trainer.step_timeout_s
+    device = "cuda" if p.gpus_per_worker else "cpu"
+    pool = start_pool("eval", p.workers, p.gpus_per_worker, p.torch_threads, p.workers > 1 and cfg.rollout.tp > 1)
+    try:
+        generator = build(Rollout, pool, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
+                                                        device=device), timeout)
+        reward = build(Reward, pool, lambda r: dict(cfg=cfg, device=device), timeout)
+    except BaseException:
+        pool.shutdown()
+        raise
+    return Scoring(generator, reward, pool)
+
+
 def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, timeout_s: float = 120.0) -> Pool:
-    """A pool of StageWorkers; with `group`, its ranks join one torch.distributed group."""
+    """A pool of StageWorkers; with `group`, its ranks join one torch.distributed group (within `timeout_s`)."""
     pool = Pool(name, StageWorker, size, gpus, threads, timeout_s)
     if group:
-        host, port = ray.get(pool.workers[0].address.remote())
-        ray.get([w.init_process_group.remote(host, port) for w in pool.workers])
+        host, port = ray.get(pool.workers[0].address.remote(), timeout=timeout_s)
+        ray.get([w.init_process_group.remote(host, port) for w in pool.workers], timeout=timeout_s)
     return pool
 
 
 def build(cls: type[T], pool: Pool, kwargs: Callable[[int], dict], timeout: float) -> Group[T]:
-    """Stage `cls` built on every worker of `pool` (`kwargs(rank)` its arguments), and its handle."""
-    ray.get([w.add.remote(cls, kwargs(r)) for r, w in enumerate(pool.workers)])
+    """Stage `cls` built on every worker of `pool` (`kwargs(rank)` its arguments, within `timeout`), and its handle."""
+    ray.get([w.add.remote(cls, kwargs(r)) for r, w in enumerate(pool.workers)], timeout=timeout)
     return Group(cls, pool.workers, SUBMIT, timeout)
 
 
@@ -265,7 +295,7 @@ def connect(policy: Group[Any], rollout: Group[Any], timeout: float) -> None:
     from stages.actor import ActorRollout
     from stages.rollout import Rollout
 
-    host, port = ray.get(policy.workers[0].address.remote())
+    host, port = ray.get(policy.workers[0].address.remote(), timeout=timeout)
     plan = wait([policy.at(0, ActorRollout.weight_plan)], SUBMIT, timeout)[0]
     size = rollout.size + 1
     wait([policy.at(0, ActorRollout.connect_rollout, host, port, size)] +

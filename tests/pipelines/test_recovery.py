@@ -1,6 +1,7 @@
 """Every pipeline survives a worker that dies (SIGKILL) or hangs (SIGSTOP: a process that never
 answers again, as a stuck kernel or collective leaves it): the driver rebuilds the workers from
-the last checkpoint and the run finishes. The real CLI, a real local Ray cluster, real MLflow."""
+the last checkpoint (`rlflow eval`: evaluates again) and the job finishes. The real CLI, a real
+local Ray cluster, real MLflow. GRPO's cases are in test_e2e.py."""
 
 from __future__ import annotations
 
@@ -19,10 +20,14 @@ from engine.data import task
 pytestmark = pytest.mark.slow
 
 
-def command(job: str, tmp_path: Path) -> list[str]:
+def command(job: str, tmp_path: Path, model_dir: Path) -> list[str]:
     """A job long enough (many small steps) that a fault lands mid-run, checkpointing every 2 steps."""
     common = ["trainer.save_every=2", "trainer.max_restarts=1", "trainer.step_timeout_s=15", "trainer.val_every=0",
               "data.val_max_prompts=8", f"trainer.output_dir={tmp_path}/out"]
+    if job == "eval":  # 256 prompts, a greedy answer and 8 samples each
+        val = task.build_data(tmp_path / "data", n_train=8, n_val=256, seed=3)["val"]
+        return [str(BIN / "rlflow"), "eval", str(model_dir), f"data.val_files=[{val}]", "rollout.samples_per_prompt=8",
+                *common[1:3], f"trainer.output_dir={tmp_path}/out"]
     if job == "sft":
         data = task.build_data(tmp_path / "data", n_train=16, n_val=1, seed=3)["train"]
         return [str(BIN / "rlflow"), "sft", str(ROOT / "conf" / "sft.yaml"), f"data.train_files=[{data}]",
@@ -34,18 +39,21 @@ def command(job: str, tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
-@pytest.mark.parametrize("job", ["sft", "dpo"])
-def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path):
-    cmd = command(job, tmp_path)
+@pytest.mark.parametrize("job", ["sft", "dpo", "eval"])
+def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path, model_dir):
+    cmd = command(job, tmp_path, model_dir)
     proc = subprocess.Popen(cmd, env=env(tmp_path), cwd=tmp_path, start_new_session=True, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         marker = tmp_path / "out" / "checkpoints" / "step_000002" / "COMPLETE"
         deadline = time.time() + 300
-        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        workers: list[psutil.Process] = []
+        while proc.poll() is None and time.time() < deadline:  # mid-run: past a checkpoint, or evaluating
+            workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                       if "StageWorker" in " ".join(p.cmdline())]
+            if workers and (job == "eval" or marker.exists()):
+                break
             time.sleep(0.1)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "StageWorker" in " ".join(p.cmdline())]
         assert workers, "no stage worker process found"
         for p in workers:
             p.send_signal(fault)
@@ -55,7 +63,11 @@ def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, output[-3000:]
     what = "died" if fault == signal.SIGKILL else "ran past trainer.step_timeout_s=15"
-    assert f"a worker {what}" in output and "restart 1/1 from" in output, output[-3000:]
+    assert f"a worker {what}" in output and "restart 1/1" in output, output[-3000:]
+    if job == "eval":
+        client, run = only_run(tmp_path)
+        assert run.data.metrics["eval/prompts"] == 256 and run.info.status == "FINISHED"
+        return
     client, run = only_run(tmp_path)
     assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
     total = int(next(a for a in cmd if a.startswith("trainer.total_steps=")).split("=")[1])
