@@ -196,12 +196,19 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: 
     dist.destroy_process_group()
 
 
+def tp_sizes(gpus: int) -> list[int]:
+    """The TP sizes a run over `gpus` ranks measures by default: the powers of two that divide it."""
+    return [t for t in (2 ** i for i in range(gpus.bit_length())) if gpus % t == 0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES))
-    ap.add_argument("--gpus", type=int, default=2, help="ranks (processes); GPUs on CUDA")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tp", default="1,2", help="comma list of generation TP sizes (each divides --gpus)")
+    cuda = torch.cuda.device_count()
+    ap.add_argument("--gpus", type=int, default=cuda or 2, help="ranks (processes); GPUs on CUDA (default: all)")
+    ap.add_argument("--device", default="cuda" if cuda else "cpu")
+    ap.add_argument("--tp", help="comma list of generation TP sizes, each dividing --gpus (default: 1, 2, 4 .. "
+                                 "up to --gpus)")
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--max-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=5)
@@ -210,7 +217,11 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile one more reshard per TP size (rank 0 prints)")
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "rlflow-bench-models"))
     args = ap.parse_args()
-    args.tp = [int(t) for t in args.tp.split(",")]
+    args.tp = [int(t) for t in args.tp.split(",")] if args.tp else tp_sizes(args.gpus)
+    if args.device == "cuda" and args.gpus > cuda:
+        raise SystemExit(f"--gpus {args.gpus}: this machine has {cuda} GPU(s)")
+    if bad := [t for t in args.tp if t < 1 or args.gpus % t]:
+        raise SystemExit(f"--tp {bad}: each TP size must divide --gpus {args.gpus}")
     path = model_dir(args.shape, SHAPES[args.shape], Path(args.cache))
     port = free_port()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
