@@ -30,7 +30,6 @@ from engine import checkpoint
 from engine.config import EMBEDDED, Config, ConfigError, load_config, to_dict
 from engine.tracking import Tracker
 
-
 def split_args(args: list[str]) -> list[str]:
     """Drop empty arguments and split one argument holding several `k=v` (MLproject quotes
     `-P overrides="a=1 b=2"` into one word); a lone `key=a b` stays whole."""
@@ -71,6 +70,42 @@ def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
         if not (root / "model" / "config.json").is_file():
             build_model(root / "model", seed=cfg.trainer.seed)
     return model, resolve_files(cfg)
+
+
+def _check_model_dir(key: str, path: str) -> None:
+    where = Path(path)
+    if not where.is_dir():
+        raise ConfigError(f"{key}={path}: no such directory (expected a HF model directory)")
+    if not (where / "config.json").is_file():
+        raise ConfigError(f"{key}={path}: not a HF model directory (no config.json)")
+    if not any((where / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"{key}={path}: no tokenizer in the model directory "
+                          "(expected tokenizer.json or tokenizer_config.json)")
+
+
+def check_inputs(cfg: Config, model: bool = True) -> None:
+    """Name the first configured input that cannot be read, before MLflow or Ray start: the model
+    directory (`model=False` for eval, whose model is its argument), the data files, the reward."""
+    from engine.data.prompts import FORMATS
+    from engine.data.rewards import load_function
+
+    if model and cfg.model.path != EMBEDDED:
+        _check_model_dir("model.path", cfg.model.path)
+    for key in ("train_files", "val_files") if model else ("val_files",):
+        for f in getattr(cfg.data, key):
+            if f != EMBEDDED and not Path(f).is_file():
+                raise ConfigError(f"data.{key}: {f}: no such file (expected a {'/'.join(FORMATS)} file "
+                                  f"or {EMBEDDED})")
+            if f != EMBEDDED and Path(f).suffix not in FORMATS:
+                raise ConfigError(f"data.{key}: {f}: unsupported file type (expected {'/'.join(FORMATS)})")
+    if cfg.reward.model:
+        _check_model_dir("reward.model", cfg.reward.model)
+    if cfg.reward.function:
+        try:
+            load_function(cfg.reward.function)
+        except Exception as e:  # the user's module may fail in any way while it is imported
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"reward.function={cfg.reward.function}: {why}") from None
 
 
 def init_ray(cfg: Config) -> None:
@@ -273,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = parse(ns.args, ns.command if ns.command in ("dpo", "sft") else "rl")
+        if ns.command != "config":
+            check_inputs(cfg, model=ns.command != "eval")
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2
