@@ -30,6 +30,26 @@ from engine import checkpoint
 from engine.config import EMBEDDED, Config, ConfigError, load_config, to_dict
 from engine.tracking import Tracker
 
+# Progress bars of datasets, transformers and huggingface_hub, here and in the Ray workers of a
+# local cluster (they inherit this environment; conf/ray/runtime_env.yaml sets them on a cluster).
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+def quiet_libraries() -> None:
+    """Keep the terminal to rlflow's lines and the libraries' warnings: no progress bars, no MLflow
+    INFO lines, no notice on each start that the local Ray cluster uses its default token
+    authentication. RLFLOW_LOG_LEVEL=debug keeps all of it. Call it before datasets and the HF
+    libraries are imported: they read their progress-bar switches at import."""
+    if os.environ.get("RLFLOW_LOG_LEVEL", "").lower() == "debug":
+        return
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda record: not record.getMessage().startswith(RAY_TOKEN_NOTICE))
+
+
 def split_args(args: list[str]) -> list[str]:
     """Drop empty arguments and split one argument holding several `k=v` (MLproject quotes
     `-P overrides="a=1 b=2"` into one word); a lone `key=a b` stays whole."""
@@ -288,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     # buffers through outages instead, so fail fast.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    quiet_libraries()
     if ns.command == "data":
         from engine.data.convert import convert
 
