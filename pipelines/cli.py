@@ -30,6 +30,25 @@ from engine import checkpoint
 from engine.config import EMBEDDED, Config, ConfigError, load_config, to_dict
 from engine.tracking import Tracker
 
+# Progress bars of datasets, transformers and huggingface_hub, here and in the Ray workers of a
+# local cluster (they inherit this environment; conf/ray/runtime_env.yaml sets them on a cluster).
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+def quiet_libraries() -> None:
+    """Keep the terminal to rlflow's lines and the libraries' warnings: no progress bars, no MLflow
+    INFO lines, no notice on each start that the local Ray cluster uses its default token
+    authentication. RLFLOW_LOG_LEVEL=debug keeps all of it. Call it before datasets and the HF
+    libraries are imported: they read their progress-bar switches at import."""
+    if os.environ.get("RLFLOW_LOG_LEVEL", "").lower() == "debug":
+        return
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda record: not record.getMessage().startswith(RAY_TOKEN_NOTICE))
+
 
 def split_args(args: list[str]) -> list[str]:
     """Drop empty arguments and split one argument holding several `k=v` (MLproject quotes
@@ -71,6 +90,42 @@ def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
         if not (root / "model" / "config.json").is_file():
             build_model(root / "model", seed=cfg.trainer.seed)
     return model, resolve_files(cfg)
+
+
+def _check_model_dir(key: str, path: str) -> None:
+    where = Path(path)
+    if not where.is_dir():
+        raise ConfigError(f"{key}={path}: no such directory (expected a HF model directory)")
+    if not (where / "config.json").is_file():
+        raise ConfigError(f"{key}={path}: not a HF model directory (no config.json)")
+    if not any((where / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ConfigError(f"{key}={path}: no tokenizer in the model directory "
+                          "(expected tokenizer.json or tokenizer_config.json)")
+
+
+def check_inputs(cfg: Config, model: bool = True) -> None:
+    """Name the first configured input that cannot be read, before MLflow or Ray start: the model
+    directory (`model=False` for eval, whose model is its argument), the data files, the reward."""
+    from engine.data.prompts import FORMATS
+    from engine.data.rewards import load_function
+
+    if model and cfg.model.path != EMBEDDED:
+        _check_model_dir("model.path", cfg.model.path)
+    for key in ("train_files", "val_files") if model else ("val_files",):
+        for f in getattr(cfg.data, key):
+            if f != EMBEDDED and not Path(f).is_file():
+                raise ConfigError(f"data.{key}: {f}: no such file (expected a {'/'.join(FORMATS)} file "
+                                  f"or {EMBEDDED})")
+            if f != EMBEDDED and Path(f).suffix not in FORMATS:
+                raise ConfigError(f"data.{key}: {f}: unsupported file type (expected {'/'.join(FORMATS)})")
+    if cfg.reward.model:
+        _check_model_dir("reward.model", cfg.reward.model)
+    if cfg.reward.function:
+        try:
+            load_function(cfg.reward.function)
+        except Exception as e:  # the user's module may fail in any way while it is imported
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"reward.function={cfg.reward.function}: {why}") from None
 
 
 def init_ray(cfg: Config) -> None:
@@ -253,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     # buffers through outages instead, so fail fast.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    quiet_libraries()
     if ns.command == "data":
         from engine.data.convert import convert
 
@@ -273,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = parse(ns.args, ns.command if ns.command in ("dpo", "sft") else "rl")
+        if ns.command != "config":
+            check_inputs(cfg, model=ns.command != "eval")
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2

@@ -1,7 +1,11 @@
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BIN = Path(sys.executable).parent
 
@@ -23,3 +27,51 @@ def test_config_errors_exit_2_with_the_closest_key(tmp_path):
     proc = subprocess.run([str(BIN / "rlflow"), "config", "trainer.total_step=3"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "trainer.total_steps" in proc.stderr
+
+
+
+def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
+    """(arguments, what the one error line must name) for inputs that cannot be read."""
+    (tmp / "no_tokenizer").mkdir()
+    (tmp / "no_tokenizer" / "config.json").write_text("{}")
+    (tmp / "rows.txt").write_text("x\n")
+    (tmp / "broken.py").write_text("import not_a_module_anywhere\n")
+    return [
+        ([f"model.path={tmp}"], "no config.json"),
+        ([f"model.path={tmp / 'no_tokenizer'}"], "no tokenizer"),
+        (["data.val_files=[/nope.jsonl]"], "/nope.jsonl: no such file"),
+        ([f"data.train_files=[{tmp / 'rows.txt'}]"], "unsupported file type"),
+        ([f"reward.function={tmp / 'broken.py'}:f"], "No module named 'not_a_module_anywhere'"),
+        (["reward.function=os.path:sep"], "not a function"),
+        (["reward.model=/nope"], "reward.model=/nope: no such directory"),
+    ]
+
+
+def test_each_unreadable_input_is_named(tmp_path):
+    from engine.config import ConfigError
+    from pipelines.cli import check_inputs, parse
+
+    for args, expected in bad_inputs(tmp_path):
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            check_inputs(parse(args))
+    check_inputs(parse([]))  # the embedded default needs nothing on disk
+
+
+def test_unreadable_inputs_are_one_line_before_mlflow_and_ray_start(tmp_path):
+    """Through the real CLI: exit 2, one line, and no MLflow store (the tracker starts before Ray)."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    model = tmp_path / "model"  # a HF-looking directory, so eval gets as far as its data
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for command, args, expected in [
+        ("train", ["model.path=/nonexistent"], "model.path=/nonexistent: no such directory"),
+        ("train", ["reward.function=nomod:f"], "reward.function=nomod:f: cannot import reward module 'nomod'"),
+        ("train", ["data.train_files=[/nope.parquet]"], "data.train_files: /nope.parquet: no such file"),
+        ("eval", [str(model), "data.val_files=[/nope.parquet]"], "data.val_files: /nope.parquet: no such file"),
+    ]:
+        proc = subprocess.run([str(BIN / "rlflow"), command, *args, f"trainer.output_dir={tmp_path / 'out'}"],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        assert proc.returncode == 2 and proc.stdout == "", (args, proc.stdout, proc.stderr)
+        [line] = proc.stderr.splitlines()
+        assert line.startswith("rlflow: config error: ") and expected in line, (args, line)
+    assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "out").exists()

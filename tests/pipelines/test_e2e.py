@@ -61,8 +61,17 @@ def only_run(tmp_path: Path, experiment: str = "rlflow"):
 @pytest.fixture(scope="module")
 def compiled_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compiled")
-    rlflow(tmp, "out", "trainer.register_model=smoke-policy")
+    proc = rlflow(tmp, "out", "trainer.register_model=smoke-policy")
+    (tmp / "terminal.txt").write_text(proc.stdout + proc.stderr)
     return tmp
+
+
+def test_the_terminal_shows_rlflow_lines_not_library_chatter(compiled_run):
+    shown = (compiled_run / "terminal.txt").read_text()
+    for chatter in ("Generating train split", "Writing model shards", "Loading weights",
+                    "Token authentication is enabled", "system_metrics_monitor"):
+        assert chatter not in shown, chatter
+    assert re.search(r"^rlflow: run \w+ finished", shown, re.MULTILINE), shown[-2000:]
 
 
 def test_compiled_run_learns_logs_and_exports(compiled_run):
