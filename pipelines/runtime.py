@@ -34,6 +34,11 @@ import ray
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
 from engine.placement import Pool
+from stages.actor import ActorRollout
+from stages.critic import Critic
+from stages.reference import Reference
+from stages.reward import Reward
+from stages.rollout import Rollout
 from stages.worker import StageWorker
 
 P = ParamSpec("P")
@@ -130,24 +135,17 @@ class InPlace:
 class Broadcast:
     """Split: after every update every trainer rank pushes and every rollout rank pulls, together."""
 
-    sender: Group[Any]  # the policy's trainer ranks (stages.actor.ActorRollout)
-    receiver: Group[Any]  # the rollout pool (stages.rollout.Rollout)
+    sender: Group[ActorRollout]  # the policy's trainer ranks
+    receiver: Group[Rollout]  # the rollout pool
 
     def after_update(self, updates: list[Any]) -> list[Any]:
-        from stages.actor import ActorRollout
-        from stages.rollout import Rollout
-
         return ([self.sender.at(r, ActorRollout.push_weights, u) for r, u in enumerate(updates)] +
                 [self.receiver.at(r, Rollout.pull_weights, u) for r, u in enumerate(updates)])
 
     def after_load(self) -> None:
-        from stages.actor import ActorRollout
-        from stages.rollout import Rollout
-
-        submit = [self.sender.bound(SUBMIT), self.receiver.bound(SUBMIT)]
-        wait([submit[0].at(r, ActorRollout.push_weights, None) for r in range(submit[0].size)] +
-             [submit[1].at(r, Rollout.pull_weights, None) for r in range(submit[1].size)],
-             SUBMIT, self.sender.timeout)
+        sender, receiver = self.sender.bound(SUBMIT), self.receiver.bound(SUBMIT)
+        wait([sender.at(r, ActorRollout.push_weights, None) for r in range(sender.size)] +
+             [receiver.at(r, Rollout.pull_weights, None) for r in range(receiver.size)], SUBMIT, sender.timeout)
 
     def bound(self, call: Call) -> Broadcast:
         return Broadcast(self.sender.bound(call), self.receiver.bound(call))
@@ -157,12 +155,12 @@ class Broadcast:
 class Stages:
     """The typed handles of one job's stages; the pipeline's step graph reads only these."""
 
-    policy: Group[Any]  # stages.actor.ActorRollout: trains the policy (and, colocated, generates)
+    policy: Group[ActorRollout]  # trains the policy (and, colocated, generates)
     generator: Group[Generator]  # the policy itself (colocated) or the rollout pool (split)
     sync: WeightSync
-    reward: Group[Any] | None = None  # stages.reward.Reward
-    reference: Group[Any] | None = None  # stages.reference.Reference
-    critic: Group[Any] | None = None  # stages.critic.Critic
+    reward: Group[Reward] | None = None
+    reference: Group[Reference] | None = None
+    critic: Group[Critic] | None = None
     pools: list[Pool] = field(default_factory=list)
 
     @property
@@ -205,12 +203,6 @@ def launch(cfg: Config, model_path: str, *, reward: bool = True, reference: bool
     Colocated stages share the "hybrid" pool (one process per rank); a stage listed in
     `placement.own_pool` gets a pool of its own. `generates=False` (SFT, DPO, the warm start)
     builds no rollout engine."""
-    from stages.actor import ActorRollout
-    from stages.critic import Critic
-    from stages.reference import Reference
-    from stages.reward import Reward
-    from stages.rollout import Rollout
-
     p = cfg.placement
     n = workers or p.workers
     device = "cuda" if p.gpus_per_worker else "cpu"
@@ -249,8 +241,8 @@ def launch(cfg: Config, model_path: str, *, reward: bool = True, reference: bool
 class Scoring:
     """A rollout engine and a reward stage on one pool, without a trainer: what `rlflow eval` runs on."""
 
-    generator: Group[Any]  # stages.rollout.Rollout
-    reward: Group[Any]  # stages.reward.Reward
+    generator: Group[Rollout]
+    reward: Group[Reward]
     pool: Pool
 
     def shutdown(self) -> None:
@@ -259,9 +251,6 @@ class Scoring:
 
 def launch_scoring(cfg: Config, model_path: str) -> Scoring:
     """`placement.workers` processes, each generating with the model at `model_path` and scoring."""
-    from stages.reward import Reward
-    from stages.rollout import Rollout
-
     p, timeout = cfg.placement, cfg.trainer.step_timeout_s
     device = "cuda" if p.gpus_per_worker else "cpu"
     pool = start_pool("eval", p.workers, p.gpus_per_worker, p.torch_threads, p.workers > 1 and cfg.rollout.tp > 1)
@@ -292,9 +281,6 @@ def build(cls: type[T], pool: Pool, kwargs: Callable[[int], dict], timeout: floa
 
 def connect(policy: Group[Any], rollout: Group[Any], timeout: float) -> None:
     """Split placement: trainer rank 0 hosts the weight group and every rollout rank joins it, all at once."""
-    from stages.actor import ActorRollout
-    from stages.rollout import Rollout
-
     host, port = ray.get(policy.workers[0].address.remote(), timeout=timeout)
     plan = wait([policy.at(0, ActorRollout.weight_plan)], SUBMIT, timeout)[0]
     size = rollout.size + 1

@@ -12,17 +12,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = """
 from typing import Any
-from pipelines.runtime import Group
+from pipelines.runtime import Group, Stages
 from stages.actor import ActorRollout
 from stages.reward import Reward
 
-def f(policy: Group[ActorRollout], reward: Group[Reward], batch: Any) -> None:
+def f(policy: Group[ActorRollout], reward: Group[Reward], stages: Stages, batch: Any) -> None:
 """
 CASES = {
-    "right": ("    reward.at(0, Reward.score, batch)\n    policy.at(1, ActorRollout.update, batch)\n", None),
+    "right": ("    reward.at(0, Reward.score, batch)\n    policy.at(1, ActorRollout.update, batch)\n"
+              "    stages.policy.at(0, ActorRollout.logprobs, batch)\n", None),
     "misspelt": ("    policy.at(0, ActorRollout.updat, batch)\n", 'has no attribute "updat"'),
     "arity": ("    reward.at(0, Reward.score, batch, batch)\n", "Too many arguments"),
     "wrong stage": ("    reward.at(0, ActorRollout.update, batch)\n", "incompatible type"),
+    "wrong stage of a pipeline's stages": ("    stages.policy.at(0, Reward.score, batch)\n", "incompatible type"),
 }
 
 
