@@ -165,7 +165,7 @@ class TrainerConfig:
     experiment: str = "rlflow"  # MLflow experiment of the run
     run_name: str = ""  # MLflow run name; "" lets MLflow pick one
     register_model: str = ""  # Model Registry name for the exported policy; "" = don't register
-    progress: bool = True  # print progress while training (a bar, or a line every 10 steps)
+    progress: bool = True  # a progress bar while training (step, the algorithm's headline numbers, ETA)
 
 
 @dataclass
@@ -266,7 +266,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg = Config()
     for key, value in settings.items():
         _set(cfg, key, value)
-    cfg.algorithm.name = job if job != "rl" else run_label(cfg)
+    cfg.algorithm.name = name_of(cfg, job)
     if named is not None and str(named) != cfg.algorithm.name:  # a saved config may repeat it, never change it
         raise ConfigError(f"algorithm.name={named!r} contradicts this run, which is {cfg.algorithm.name!r}: the "
                           "command sets sft and dpo (`rlflow sft`, `rlflow dpo`); an RL run's name follows "
@@ -287,6 +287,11 @@ def run_label(cfg: Config) -> str:
     return label if cfg.actor.policy_loss == "ppo" else f"{label}+{cfg.actor.policy_loss}"
 
 
+def name_of(cfg: Config, job: str) -> str:
+    """`algorithm.name`: the job's for sft and dpo, the settings' label (`run_label`) for rl."""
+    return job if job != "rl" else run_label(cfg)
+
+
 def job_of(cfg: Config) -> str:
     """rl, sft or dpo: what the command runs (`algorithm.name` holds sft and dpo as they are)."""
     return cfg.algorithm.name if cfg.algorithm.name in ("sft", "dpo") else "rl"
@@ -304,8 +309,7 @@ def override(cfg: Config, why: str, **changes: Any) -> Config:
         old, new = _get(cfg, key), _get(out, key)
         if new != old:
             print(f"rlflow: {cfg.algorithm.name} sets {key}={new} (was {old}): {why}", flush=True)
-    if job_of(out) == "rl":
-        out.algorithm.name = run_label(out)
+    out.algorithm.name = name_of(out, job_of(cfg))
     return out
 
 

@@ -112,11 +112,11 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
     if model and cfg.model.path != EMBEDDED:
         _check_model_dir("model.path", cfg.model.path)
     for key in ("train_files", "val_files") if model else ("val_files",):
-        for f in getattr(cfg.data, key):
-            if f != EMBEDDED and not Path(f).is_file():
+        for f in (f for f in getattr(cfg.data, key) if f != EMBEDDED):
+            if not Path(f).is_file():
                 raise ConfigError(f"data.{key}: {f}: no such file (expected a {'/'.join(FORMATS)} file "
                                   f"or {EMBEDDED})")
-            if f != EMBEDDED and Path(f).suffix not in FORMATS:
+            if Path(f).suffix not in FORMATS:
                 raise ConfigError(f"data.{key}: {f}: unsupported file type (expected {'/'.join(FORMATS)})")
     if cfg.reward.model:
         _check_model_dir("reward.model", cfg.reward.model)

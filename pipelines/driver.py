@@ -24,7 +24,7 @@ from engine import checkpoint
 from engine.config import Config
 from engine.data.prompts import PromptLoader
 from engine.tracking import Tracker
-from pipelines.runtime import WORKER_LOST, Runner, Stages
+from pipelines.runtime import WORKER_LOST, Runner, Stages, how_lost
 from stages.actor import ActorRollout
 
 
@@ -134,10 +134,8 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
                 if restarts >= t.max_restarts:
                     raise
                 restarts += 1
-                what = f"ran past trainer.step_timeout_s={t.step_timeout_s:g}" if isinstance(e, TimeoutError) \
-                    else "died"
-                print(f"rlflow: a worker {what} at step {step} ({type(e).__name__}); restart {restarts}/"
-                      f"{t.max_restarts} from {last_ckpt or 'the initial model'}")
+                print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} at step {step} ({type(e).__name__}); "
+                      f"restart {restarts}/{t.max_restarts} from {last_ckpt or 'the initial model'}")
                 tracker.log_metrics({"trainer/restarts": restarts}, step=step)
                 tracker.set_tags({f"restart.{restarts}": f"step {step}: {type(e).__name__}: {e}"[:500]})
                 live.close(lost=True)

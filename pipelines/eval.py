@@ -32,7 +32,7 @@ from engine.config import Config
 from engine.data.prompts import load_prompts
 from engine.tracking import Tracker
 from pipelines.grpo import rollout
-from pipelines.runtime import WORKER_LOST, launch_scoring
+from pipelines.runtime import WORKER_LOST, how_lost, launch_scoring
 
 
 def summarise(sources: list[str], greedy: list[float], sampled: list[list[float]]) -> dict[str, float]:
@@ -68,9 +68,8 @@ def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[lis
             if restarts >= t.max_restarts:
                 raise
             restarts += 1
-            what = f"ran past trainer.step_timeout_s={t.step_timeout_s:g}" if isinstance(e, TimeoutError) else "died"
-            print(f"rlflow: a worker {what} during the evaluation ({type(e).__name__}); restart {restarts}/"
-                  f"{t.max_restarts}", flush=True)
+            print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} during the evaluation ({type(e).__name__}); "
+                  f"restart {restarts}/{t.max_restarts}", flush=True)
         finally:
             if scoring is not None:
                 scoring.shutdown()

@@ -57,6 +57,11 @@ WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableErro
                ray.exceptions.GetTimeoutError)
 
 
+def how_lost(e: BaseException, timeout_s: float) -> str:
+    """What happened to the worker behind one of WORKER_LOST, for the restart line."""
+    return f"ran past trainer.step_timeout_s={timeout_s:g}" if isinstance(e, TimeoutError) else "died"
+
+
 class Group(Generic[S]):
     """One stage class on every rank of a pool; `at` and `all` call its verbs."""
 
@@ -197,42 +202,42 @@ class Stages:
 
 
 def launch(cfg: Config, model_path: str, *, reward: bool = True, reference: bool = False, critic: bool = False,
-           generates: bool = True, workers: int | None = None) -> Stages:
+           generates: bool = True) -> Stages:
     """Start the worker pools and build each stage on its pool, as `placement` lays them out.
 
     Colocated stages share the "hybrid" pool (one process per rank); a stage listed in
     `placement.own_pool` gets a pool of its own. `generates=False` (SFT, DPO, the warm start)
-    builds no rollout engine."""
-    p = cfg.placement
-    n = workers or p.workers
+    builds no rollout engine. A failure leaves no pool behind."""
+    p, n = cfg.placement, cfg.placement.workers
     device = "cuda" if p.gpus_per_worker else "cpu"
     timeout = cfg.trainer.step_timeout_s  # every wait on the workers; ray.get's compiled-graph default is 10 s
-    split = generates and "rollout" in p.own_pool
     pools: dict[str, Pool] = {}
 
     def place(cls: type, own: str, kwargs: Callable[[int], dict]) -> Group[Any]:
         where = own if own in p.own_pool else "hybrid"
         if where not in pools:
-            gpus = 0.0 if where == "reward" and not cfg.reward.model else p.gpus_per_worker  # rule rewards: no GPU
-            # a split rollout pool needs a process group only to generate tensor parallel; vLLM refuses one
-            group = n > 1 and (where != "rollout" or cfg.rollout.tp > 1)
-            pools[where] = start_pool(where, n, gpus, p.torch_threads, group)
+            pools[where] = role_pool(cfg, where)
         return build(cls, pools[where], kwargs, timeout)
 
-    trained = dict(cfg=cfg, model_path=model_path, world=n, device=device)
-    policy = place(ActorRollout, "actor", lambda r: dict(trained, rank=r, generates=generates))
-    stages = Stages(policy=policy, generator=policy, sync=InPlace())
-    if reward:
-        stages.reward = place(Reward, "reward", lambda r: dict(cfg=cfg, device=device))
-    if reference:
-        stages.reference = place(Reference, "reference", lambda r: dict(cfg=cfg, model_path=model_path,
-                                                                        device=device))
-    if critic:
-        stages.critic = place(Critic, "critic", lambda r: dict(trained, rank=r))
-    if split:
-        rollout = place(Rollout, "rollout", lambda r: dict(trained, rank=r))
-        connect(policy, rollout, timeout)
-        stages.generator, stages.sync = rollout, Broadcast(policy, rollout)
+    try:
+        trained = dict(cfg=cfg, model_path=model_path, world=n, device=device)
+        policy = place(ActorRollout, "actor", lambda r: dict(trained, rank=r, generates=generates))
+        stages = Stages(policy=policy, generator=policy, sync=InPlace())
+        if reward:
+            stages.reward = place(Reward, "reward", lambda r: dict(cfg=cfg, device=device))
+        if reference:
+            stages.reference = place(Reference, "reference", lambda r: dict(cfg=cfg, model_path=model_path,
+                                                                            device=device))
+        if critic:
+            stages.critic = place(Critic, "critic", lambda r: dict(trained, rank=r))
+        if generates and "rollout" in p.own_pool:  # split: a pool of its own generates
+            rollout = place(Rollout, "rollout", lambda r: dict(trained, rank=r))
+            connect(policy, rollout, timeout)
+            stages.generator, stages.sync = rollout, Broadcast(policy, rollout)
+    except BaseException:
+        for pool in pools.values():
+            pool.shutdown()
+        raise
     stages.pools = list(pools.values())
     return stages
 
@@ -253,7 +258,7 @@ def launch_scoring(cfg: Config, model_path: str) -> Scoring:
     """`placement.workers` processes, each generating with the model at `model_path` and scoring."""
     p, timeout = cfg.placement, cfg.trainer.step_timeout_s
     device = "cuda" if p.gpus_per_worker else "cpu"
-    pool = start_pool("eval", p.workers, p.gpus_per_worker, p.torch_threads, p.workers > 1 and cfg.rollout.tp > 1)
+    pool = role_pool(cfg, "rollout")
     try:
         generator = build(Rollout, pool, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
                                                         device=device), timeout)
@@ -262,6 +267,15 @@ def launch_scoring(cfg: Config, model_path: str) -> Scoring:
         pool.shutdown()
         raise
     return Scoring(generator, reward, pool)
+
+
+def role_pool(cfg: Config, where: str) -> Pool:
+    """The pool `where` ("hybrid", or a role of `placement.own_pool`): rule rewards alone need no GPU,
+    and a rollout pool needs a process group only to generate tensor parallel (vLLM refuses one)."""
+    p = cfg.placement
+    gpus = 0.0 if where == "reward" and not cfg.reward.model else p.gpus_per_worker
+    group = p.workers > 1 and (where != "rollout" or cfg.rollout.tp > 1)
+    return start_pool(where, p.workers, gpus, p.torch_threads, group)
 
 
 def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, timeout_s: float = 120.0) -> Pool:
