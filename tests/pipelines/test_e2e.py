@@ -46,6 +46,20 @@ def rlflow(tmp_path: Path, out: str, *overrides: str, timeout: int = 400,
     return proc
 
 
+def stage_workers(pid: int) -> list:
+    """The stage worker processes under `pid`; one that exits while being listed is left out."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if "StageWorker" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
 def history(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
     keys = client.get_run(run_id).data.metrics
     return {k: [(m.step, m.value) for m in client.get_metric_history(run_id, k)] for k in keys}
@@ -195,8 +209,6 @@ def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path):
 
 
 def test_a_killed_worker_is_rebuilt_and_the_run_finishes(tmp_path):
-    import psutil
-
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
             f"reward.function={tmp_path / 'length_reward.py'}:compute_score", "trainer.total_steps=5",
@@ -208,8 +220,7 @@ def test_a_killed_worker_is_rebuilt_and_the_run_finishes(tmp_path):
         deadline = time.time() + 300
         while not marker.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "StageWorker" in " ".join(p.cmdline())]
+        workers = stage_workers(proc.pid)
         assert workers, "no stage worker process found"
         for p in workers:
             p.kill()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_e2e import BIN, ROOT, env, only_run
+from test_e2e import BIN, ROOT, env, only_run, stage_workers
 
 from engine.data import task
 
@@ -49,8 +49,7 @@ def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path, mod
         deadline = time.time() + 300
         workers: list[psutil.Process] = []
         while proc.poll() is None and time.time() < deadline:  # mid-run: past a checkpoint, or evaluating
-            workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                       if "StageWorker" in " ".join(p.cmdline())]
+            workers = stage_workers(proc.pid)
             if workers and (job == "eval" or marker.exists()):
                 break
             time.sleep(0.1)
