@@ -10,7 +10,7 @@ label smoothing / IPO / conservative variants, an added SFT term, and precompute
 logprobs (the reference recomputes them each step, next to the actor, as in GRPO's KL path).
 
 One step, per data-parallel rank (`step_graph`):
-    pairs -> reference.logprobs -> policy.dpo_update
+    pairs -> reference.logprobs -> policy.update with the `Preference` loss
 compiled into a Ray compiled graph (`trainer.dag=compiled`) or run as `.remote()` calls (`plain`).
 Validation, checkpoints, restarts and logging are the driver loop's (pipelines/driver.py),
 between executions. With the embedded
@@ -19,7 +19,7 @@ embedded pairs those are the GRPO default's warm-start examples, in the same ord
 
 Invariants:
 - a pair's two rows (chosen, then rejected: group_size 2) stay on one rank and in one micro-batch;
-- metrics are means over the pairs of every rank: the ranks return sums, the driver divides;
+- metrics are means over the pairs of every rank (the loss all-reduces its sums);
 - a resumed run continues from the checkpoint's weights, optimizer and loader position.
 
 Run: `rlflow dpo [conf/dpo.yaml] [key=value ...]`.
@@ -27,31 +27,34 @@ Run: `rlflow dpo [conf/dpo.yaml] [key=value ...]`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.batch import Batch
+from engine.batch import Batch, Update
 from engine.config import Config, override
 from engine.data.prompts import Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
+from engine.train.losses import Preference
 from pipelines import driver
 from pipelines.runtime import SUBMIT, Stages, launch, wait
 from pipelines.sft import supervised
-from stages.actor import ActorRollout
+from stages.policy import Policy
 from stages.reference import Reference
 
 
-def step_graph(stages: Stages, inputs: list[Any], verb: Callable = ActorRollout.dpo_update) -> tuple[list[Any],
+def step_graph(stages: Stages, inputs: list[Any], loss: Preference, held_out: bool = False) -> tuple[list[Any],
                                                                                                    list[Any]]:
-    """One chain per rank; `verb`: ActorRollout.dpo_update, or dpo_eval for validation."""
+    """One chain per rank: the DPO loss's optimizer steps, or with `held_out` its value without a step."""
     assert stages.reference is not None
     outputs = []
     for rank, batch in enumerate(inputs):
         batch = stages.reference.at(rank, Reference.logprobs, batch)  # the frozen anchor
-        outputs.append(stages.policy.at(rank, verb, batch))  # DPO loss, optimizer steps
+        if held_out:
+            outputs.append(stages.policy.at(rank, Policy.evaluate, batch, loss))
+        else:
+            outputs.append(stages.policy.at(rank, Policy.update, batch, loss))
     return outputs, []
 
 
@@ -61,24 +64,20 @@ def shard(pairs: list[Pair], workers: int, pad_id: int) -> list[Batch]:
     return [pairs_batch(pairs[i * size:(i + 1) * size], pad_id) for i in range(workers)]
 
 
-def merge(results: list[dict], prefix: str) -> dict[str, float]:
-    """`<prefix>/<stat>`: each per-pair statistic averaged over every rank's pairs; timings (slowest rank)."""
-    pairs = sum(r["pairs"] for r in results)
-    out = {f"{prefix}/{k}": sum(r["sums"][k] for r in results) / pairs for k in results[0]["sums"]}
-    out.update(results[0].get("metrics", {}))  # optimizer numbers: the same on every rank after the all-reduce
-    for k in results[0]["timing"]:
-        out[f"timing_s/{k}"] = max(r["timing"][k] for r in results)
-    return out
+def merge(results: list[Update]) -> dict[str, float]:
+    """The `dpo/*` means over every rank's pairs (the same on every rank) and timings (the slowest rank)."""
+    return {**results[0].metrics, **{f"timing_s/{k}": max(r.timing[k] for r in results) for k in results[0].timing}}
 
 
 class DPO:
     """DPO for the driver loop (pipelines/driver.py)."""
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
-        return step_graph(stages, inputs)
+        return step_graph(stages, inputs, self.loss)
 
     def __init__(self, cfg: Config, model_path: str, pad_id: int, val: list[Batch]) -> None:
         self.cfg, self.model_path, self.pad_id, self.val = cfg, model_path, pad_id, val
+        self.loss = Preference(cfg)
 
     def launch(self) -> Stages:
         return launch(self.cfg, self.model_path, reward=False, reference=True, generates=False)
@@ -86,17 +85,17 @@ class DPO:
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
         return shard(loader.next_batch(), stages.workers, self.pad_id), {}
 
-    def metrics(self, outputs: list[dict], seconds: float) -> dict[str, float]:
-        return {**merge(outputs, "dpo"), "timing_s/step": seconds}
+    def metrics(self, outputs: list[Update], seconds: float) -> dict[str, float]:
+        return {**merge(outputs), "timing_s/step": seconds}
 
     def samples(self, outputs: list[Any]) -> list[dict]:
         return []
 
     def validate(self, stages: Stages, step: int) -> dict[str, float]:
         """`val/loss`, `val/reward_margin`, `val/reward_accuracy`, `val/chosen_reward`, `val/rejected_reward`."""
-        outputs, _ = step_graph(stages.bound(SUBMIT), self.val, ActorRollout.dpo_eval)
+        outputs, _ = step_graph(stages.bound(SUBMIT), self.val, self.loss, held_out=True)
         results = wait(outputs, SUBMIT, stages.timeout)
-        return {k: v for k, v in merge(results, "val").items() if not k.startswith("timing_s/")}
+        return {f"val/{k[4:]}": v for k, v in results[0].metrics.items() if k.startswith("dpo/")}
 
     def headline(self, m: dict[str, float], validation: bool) -> str:
         p = "val" if validation else "dpo"
@@ -114,8 +113,8 @@ def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Pair], di
 
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
     """`warmstart.steps` supervised steps on the training pairs' chosen answers; returns the HF directory."""
-    pairs, _, _ = load(cfg, model_path, train_files)
-    return supervised(cfg, model_path, [(p.prompt, p.chosen) for p in pairs], tracker)
+    pairs, _, pad_id = load(cfg, model_path, train_files)
+    return supervised(cfg, model_path, [(p.prompt, p.chosen) for p in pairs], pad_id, tracker)
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:

@@ -25,7 +25,7 @@ from engine.config import Config
 from engine.data.prompts import PromptLoader
 from engine.tracking import Tracker
 from pipelines.runtime import WORKER_LOST, Runner, Stages, how_lost
-from stages.actor import ActorRollout
+from stages.policy import Policy
 
 
 class Algorithm(Protocol):
@@ -147,7 +147,7 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
         if t.log_checkpoint:
             tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
         export = out / "hf_model"
-        live.stages.policy.all(ActorRollout.export, str(export))
+        live.stages.policy.all(Policy.export, str(export))
         tracker.log_artifact(str(export), "hf_model")
         finished = True
         return export

@@ -48,20 +48,23 @@ from engine.config import Config
 from engine.data.prompts import Prompt, PromptLoader, load_prompts
 from engine.tracking import Tracker
 from engine.train.fsdp import balance
+from engine.train.losses import PolicyGradient
 from pipelines import driver
 from pipelines.runtime import SUBMIT, Generator, Group, Stages, launch, wait
-from stages.actor import ActorRollout
+from stages.advantage import Advantage
 from stages.critic import Critic
+from stages.policy import Policy
 from stages.reference import Reference
 from stages.reward import Reward
 
 
-def step_graph(stages: Stages, inputs: list[Any], sampled: bool = False) -> tuple[list[Any], list[Any]]:
+def step_graph(stages: Stages, inputs: list[Any], loss: PolicyGradient, sampled: bool = False) -> tuple[list[Any],
+                                                                                                      list[Any]]:
     """The step's dataflow, one chain per rank, over stages bound to a call mode.
 
     Inputs are RolloutRequests, or with `sampled` the scored batches dynamic sampling kept.
     Returns each rank's Update (what the driver reads) and the weight sync that follows (waited for)."""
-    assert stages.reward is not None
+    assert stages.generator is not None and stages.reward is not None and stages.advantage is not None
     updates = []
     for rank, batch in enumerate(inputs):
         if not sampled:
@@ -69,13 +72,13 @@ def step_graph(stages: Stages, inputs: list[Any], sampled: bool = False) -> tupl
             batch = stages.reward.at(rank, Reward.score, batch)  # rule reward per response
         if stages.reference is not None:
             batch = stages.reference.at(rank, Reference.logprobs, batch)  # anchor for the KL loss
-        batch = stages.policy.at(rank, ActorRollout.logprobs, batch)  # old-policy logprobs for the PPO ratio
+        batch = stages.policy.at(rank, Policy.logprobs, batch)  # old-policy logprobs for the PPO ratio
         if stages.critic is not None:
             batch = stages.critic.at(rank, Critic.values, batch)  # the baseline of every token, for GAE
-        batch = stages.policy.at(rank, ActorRollout.advantages, batch)  # group-relative, or GAE with the values
+        batch = stages.advantage.at(rank, Advantage.estimate, batch)  # group-relative, or GAE with the values
         if stages.critic is not None:  # before the policy's, so every rank runs their collectives in one order
             batch = stages.critic.at(rank, Critic.update, batch)  # clipped value regression on the GAE returns
-        updates.append(stages.policy.at(rank, ActorRollout.update, batch))  # PPO-clip epochs over mini-batches
+        updates.append(stages.policy.at(rank, Policy.update, batch, loss))  # PPO-clip epochs over mini-batches
     return updates, stages.sync.after_update(updates)  # colocated: nothing; split: push to the rollout pool
 
 
@@ -85,14 +88,14 @@ def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
     return [prompts[i * len(prompts) // n:(i + 1) * len(prompts) // n] for i in range(n)]
 
 
-def rollout(generator: Group[Generator], reward: Group[Reward] | None, prompts: list[Prompt], step: int,
+def rollout(generator: Group[Generator] | None, reward: Group[Reward] | None, prompts: list[Prompt], step: int,
             greedy: bool = False, samples: int = 0) -> list[Batch]:
     """Generate and score `prompts` over the ranks with plain calls, outside the step graph
     (validation, dynamic sampling, `rlflow eval`).
 
     Every rank generates (tensor-parallel ranks generate together), also one left without a
     prompt when there are fewer prompts than ranks; its empty batch is not scored."""
-    assert reward is not None
+    assert generator is not None and reward is not None
     gen, score = generator.bound(SUBMIT), reward.bound(SUBMIT)
     refs = []
     for rank, part in enumerate(shards(prompts, gen.size)):
@@ -192,13 +195,15 @@ class GRPO:
     def __init__(self, cfg: Config, model_path: str, val_prompts: list[Prompt]) -> None:
         self.cfg, self.model_path, self.val_prompts = cfg, model_path, val_prompts
         self.tries = cfg.algorithm.dynamic_sampling_tries  # > 0: the driver generates and filters before the graph
+        self.loss = PolicyGradient(cfg)
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
-        return step_graph(stages, inputs, sampled=self.tries > 0)
+        return step_graph(stages, inputs, self.loss, sampled=self.tries > 0)
 
     def launch(self) -> Stages:
         c = self.cfg
-        return launch(c, self.model_path, reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
+        return launch(c, self.model_path, advantage=True,
+                      reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
                       critic=c.algorithm.advantage == "gae")
 
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:

@@ -34,8 +34,10 @@ import ray
 from engine.batch import Batch, RolloutRequest
 from engine.config import Config
 from engine.placement import Pool
-from stages.actor import ActorRollout
+from stages.advantage import Advantage
 from stages.critic import Critic
+from stages.hybrid import HybridPolicy
+from stages.policy import Policy, PolicySender
 from stages.reference import Reference
 from stages.reward import Reward
 from stages.rollout import Rollout
@@ -140,16 +142,16 @@ class InPlace:
 class Broadcast:
     """Split: after every update every trainer rank pushes and every rollout rank pulls, together."""
 
-    sender: Group[ActorRollout]  # the policy's trainer ranks
+    sender: Group[PolicySender]  # the policy's trainer ranks
     receiver: Group[Rollout]  # the rollout pool
 
     def after_update(self, updates: list[Any]) -> list[Any]:
-        return ([self.sender.at(r, ActorRollout.push_weights, u) for r, u in enumerate(updates)] +
+        return ([self.sender.at(r, PolicySender.push_weights, u) for r, u in enumerate(updates)] +
                 [self.receiver.at(r, Rollout.pull_weights, u) for r, u in enumerate(updates)])
 
     def after_load(self) -> None:
         sender, receiver = self.sender.bound(SUBMIT), self.receiver.bound(SUBMIT)
-        wait([sender.at(r, ActorRollout.push_weights, None) for r in range(sender.size)] +
+        wait([sender.at(r, PolicySender.push_weights, None) for r in range(sender.size)] +
              [receiver.at(r, Rollout.pull_weights, None) for r in range(receiver.size)], SUBMIT, sender.timeout)
 
     def bound(self, call: Call) -> Broadcast:
@@ -160,10 +162,11 @@ class Broadcast:
 class Stages:
     """The typed handles of one job's stages; the pipeline's step graph reads only these."""
 
-    policy: Group[ActorRollout]  # trains the policy (and, colocated, generates)
-    generator: Group[Generator]  # the policy itself (colocated) or the rollout pool (split)
-    sync: WeightSync
+    policy: Group[Policy]  # trains the policy (colocated, a HybridPolicy, which also generates)
+    generator: Group[Generator] | None = None  # the policy itself (colocated), the rollout pool (split), or none
+    sync: WeightSync = field(default_factory=InPlace)
     reward: Group[Reward] | None = None
+    advantage: Group[Advantage] | None = None
     reference: Group[Reference] | None = None
     critic: Group[Critic] | None = None
     pools: list[Pool] = field(default_factory=list)
@@ -178,7 +181,7 @@ class Stages:
 
     def stateful(self) -> list[Group[Stateful]]:
         """The groups whose state a checkpoint holds."""
-        return [g for g in (self.policy, self.critic) if g is not None]
+        return [g for g in (self.policy, self.advantage, self.critic) if g is not None]
 
     def bound(self, call: Call) -> Stages:
         """The same stages, their verbs called through `call` (BIND, SUBMIT or LOCAL)."""
@@ -201,19 +204,20 @@ class Stages:
             pool.shutdown()
 
 
-def launch(cfg: Config, model_path: str, *, reward: bool = True, reference: bool = False, critic: bool = False,
-           generates: bool = True) -> Stages:
+def launch(cfg: Config, model_path: str, *, reward: bool = True, advantage: bool = False, reference: bool = False,
+           critic: bool = False, generates: bool = True) -> Stages:
     """Start the worker pools and build each stage on its pool, as `placement` lays them out.
 
     Colocated stages share the "hybrid" pool (one process per rank); a stage listed in
-    `placement.own_pool` gets a pool of its own. `generates=False` (SFT, DPO, the warm start)
-    builds no rollout engine. A failure leaves no pool behind."""
+    `placement.own_pool` gets a pool of its own. The policy generates itself (a HybridPolicy)
+    unless a rollout pool does (split: a PolicySender feeds it) or nothing samples
+    (`generates=False`: SFT, DPO, the warm start). A failure leaves no pool behind."""
     p, n = cfg.placement, cfg.placement.workers
     device = "cuda" if p.gpus_per_worker else "cpu"
     timeout = cfg.trainer.step_timeout_s  # every wait on the workers; ray.get's compiled-graph default is 10 s
     pools: dict[str, Pool] = {}
 
-    def place(cls: type, own: str, kwargs: Callable[[int], dict]) -> Group[Any]:
+    def place(cls: type[T], own: str, kwargs: Callable[[int], dict]) -> Group[T]:
         where = own if own in p.own_pool else "hybrid"
         if where not in pools:
             pools[where] = role_pool(cfg, where)
@@ -221,19 +225,29 @@ def launch(cfg: Config, model_path: str, *, reward: bool = True, reference: bool
 
     try:
         trained = dict(cfg=cfg, model_path=model_path, world=n, device=device)
-        policy = place(ActorRollout, "actor", lambda r: dict(trained, rank=r, generates=generates))
-        stages = Stages(policy=policy, generator=policy, sync=InPlace())
+        split = generates and "rollout" in p.own_pool
+        ranked = lambda r: dict(trained, rank=r)  # noqa: E731
+        if split:
+            sender = place(PolicySender, "actor", ranked)
+            stages = Stages(policy=sender)
+        elif generates:
+            hybrid = place(HybridPolicy, "actor", ranked)
+            stages = Stages(policy=hybrid, generator=hybrid)
+        else:
+            stages = Stages(policy=place(Policy, "actor", ranked))
         if reward:
             stages.reward = place(Reward, "reward", lambda r: dict(cfg=cfg, device=device))
+        if advantage:
+            stages.advantage = place(Advantage, "actor", lambda r: dict(cfg=cfg, rank=r))
         if reference:
             stages.reference = place(Reference, "reference", lambda r: dict(cfg=cfg, model_path=model_path,
                                                                             device=device))
         if critic:
-            stages.critic = place(Critic, "critic", lambda r: dict(trained, rank=r))
-        if generates and "rollout" in p.own_pool:  # split: a pool of its own generates
-            rollout = place(Rollout, "rollout", lambda r: dict(trained, rank=r))
-            connect(policy, rollout, timeout)
-            stages.generator, stages.sync = rollout, Broadcast(policy, rollout)
+            stages.critic = place(Critic, "critic", ranked)
+        if split:  # a pool of its own generates
+            rollout = place(Rollout, "rollout", ranked)
+            connect(sender, rollout, timeout)
+            stages.generator, stages.sync = rollout, Broadcast(sender, rollout)
     except BaseException:
         for pool in pools.values():
             pool.shutdown()
@@ -293,12 +307,12 @@ def build(cls: type[T], pool: Pool, kwargs: Callable[[int], dict], timeout: floa
     return Group(cls, pool.workers, SUBMIT, timeout)
 
 
-def connect(policy: Group[Any], rollout: Group[Any], timeout: float) -> None:
+def connect(policy: Group[PolicySender], rollout: Group[Rollout], timeout: float) -> None:
     """Split placement: trainer rank 0 hosts the weight group and every rollout rank joins it, all at once."""
     host, port = ray.get(policy.workers[0].address.remote(), timeout=timeout)
-    plan = wait([policy.at(0, ActorRollout.weight_plan)], SUBMIT, timeout)[0]
+    plan = wait([policy.at(0, PolicySender.weight_plan)], SUBMIT, timeout)[0]
     size = rollout.size + 1
-    wait([policy.at(0, ActorRollout.connect_rollout, host, port, size)] +
+    wait([policy.at(0, PolicySender.connect_rollout, host, port, size)] +
          [rollout.at(r, Rollout.connect, host, port, size, plan) for r in range(rollout.size)], SUBMIT, timeout)
 
 

@@ -8,7 +8,7 @@ tasks whose ground truth is the whole answer (the embedded arithmetic task). Dro
 several examples into one training row across prompts, loss on prompt tokens, NEFTune noise.
 
 One step (`step_graph`), `data.prompts_per_step` examples split into equal contiguous shards:
-    examples -> policy.sft_update (one optimizer step, collective over the data-parallel ranks)
+    examples -> policy.update with the `Supervised` loss (one optimizer step, collective over the ranks)
 compiled into a Ray compiled graph (`trainer.dag=compiled`) or run as `.remote()` calls (`plain`).
 `actor.mini_batch_prompts` and `actor.ppo_epochs` do not apply: one step is one optimizer step.
 Validation (`val/sft/loss`, the mean response-token NLL of `data.val_files`), checkpoints,
@@ -38,38 +38,41 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from engine.batch import Batch, Update
 from engine.config import Config, override
-from engine.data.prompts import Example, PromptLoader, load_examples
+from engine.data.prompts import Example, PromptLoader, examples_batch, load_examples
 from engine.tracking import Tracker
+from engine.train.losses import Supervised
 from pipelines import driver
 from pipelines.runtime import SUBMIT, Runner, Stages, launch, wait
-from stages.actor import ActorRollout
+from stages.policy import Policy
 
 
-def step_graph(stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
+def step_graph(stages: Stages, inputs: list[Any], loss: Supervised) -> tuple[list[Any], list[Any]]:
     """One optimizer step: every rank's shard, together."""
-    return [stages.policy.at(rank, ActorRollout.sft_update, shard) for rank, shard in enumerate(inputs)], []
+    return [stages.policy.at(rank, Policy.update, shard, loss) for rank, shard in enumerate(inputs)], []
 
 
-def shard(examples: list[Example], workers: int) -> list[list[Example]]:
-    """Contiguous equal shards, one per rank."""
+def shard(examples: list[Example], workers: int, pad_id: int) -> list[Batch]:
+    """Contiguous equal shards, one Batch per rank."""
     size = len(examples) // workers
-    return [examples[i * size:(i + 1) * size] for i in range(workers)]
+    return [examples_batch(examples[i * size:(i + 1) * size], pad_id) for i in range(workers)]
 
 
-def step_metrics(outputs: list[dict[str, float]], seconds: float, tokens: int, workers: int) -> dict[str, float]:
+def step_metrics(outputs: list[Update], seconds: float, tokens: int, workers: int) -> dict[str, float]:
     """`sft/*` (the same on every rank after the all-reduce), the step's time and tokens/s/GPU."""
-    return {**outputs[0], "timing_s/step": seconds, "perf/throughput": tokens / seconds / workers}
+    return {**outputs[0].metrics, "timing_s/step": seconds, "perf/throughput": tokens / seconds / workers}
 
 
 class SFT:
     """Supervised fine-tuning for the driver loop (pipelines/driver.py)."""
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
-        return step_graph(stages, inputs)
+        return step_graph(stages, inputs, self.loss)
 
-    def __init__(self, cfg: Config, model_path: str, val: list[list[Example]]) -> None:
-        self.cfg, self.model_path, self.val = cfg, model_path, val
+    def __init__(self, cfg: Config, model_path: str, pad_id: int, val: list[Batch]) -> None:
+        self.cfg, self.model_path, self.pad_id, self.val = cfg, model_path, pad_id, val
+        self.loss = Supervised(cfg)
         self.tokens = 0  # of the step in flight, for its throughput
 
     def launch(self) -> Stages:
@@ -78,9 +81,9 @@ class SFT:
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
         examples = loader.next_batch()
         self.tokens = sum(len(p) + len(r) for p, r in examples)
-        return shard(examples, stages.workers), {}
+        return shard(examples, stages.workers, self.pad_id), {}
 
-    def metrics(self, outputs: list[dict[str, float]], seconds: float) -> dict[str, float]:
+    def metrics(self, outputs: list[Update], seconds: float) -> dict[str, float]:
         return step_metrics(outputs, seconds, self.tokens, len(outputs))
 
     def samples(self, outputs: list[Any]) -> list[dict]:
@@ -89,9 +92,9 @@ class SFT:
     def validate(self, stages: Stages, step: int) -> dict[str, float]:
         """`val/sft/loss`: the mean response-token NLL over every rank's held-out examples."""
         policy = stages.policy.bound(SUBMIT)
-        results = wait([policy.at(r, ActorRollout.sft_eval, part) for r, part in enumerate(self.val)], SUBMIT,
+        results = wait([policy.at(r, Policy.evaluate, part, self.loss) for r, part in enumerate(self.val)], SUBMIT,
                        stages.timeout)
-        return {"val/sft/loss": sum(r["nll"] for r in results) / sum(r["tokens"] for r in results)}
+        return {"val/sft/loss": results[0].metrics["sft/loss"]}  # every rank's tokens: the same on each
 
     def headline(self, m: dict[str, float], validation: bool) -> str:
         if validation:
@@ -99,11 +102,12 @@ class SFT:
         return f"loss {m['sft/loss']:.4f} grad_norm {m['sft/grad_norm']:.3f} tok/s/gpu {m['perf/throughput']:.0f}"
 
 
-def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Example], dict[str, int]]:
-    """The usable examples of `files` and skip counts; responses fit `rollout.max_new_tokens`."""
+def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Example], dict[str, int], int]:
+    """The usable examples of `files`, skip counts, and the pad token id; responses fit `rollout.max_new_tokens`."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    return load_examples(files, tokenizer, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens,
-                         cfg.data.overlong_prompts)
+    examples, counts = load_examples(files, tokenizer, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens,
+                                     cfg.data.overlong_prompts)
+    return examples, counts, tokenizer.pad_token_id
 
 
 def sft_config(cfg: Config) -> Config:
@@ -116,21 +120,22 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     """The SFT run; returns the exported HF directory of the final policy."""
     cfg = sft_config(cfg)
     workers = cfg.placement.workers
-    examples, counts = load(cfg, model_path, files["train"])
+    examples, counts, pad_id = load(cfg, model_path, files["train"])
     val_examples = load(cfg, model_path, files["val"])[0][:cfg.data.val_max_prompts or None]
     val_examples, counts["val_left_out"] = driver.even_cut(val_examples, workers, "validation examples")
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(examples, cfg.data.prompts_per_step, cfg.trainer.seed)
-    return driver.run(cfg, SFT(cfg, model_path, shard(val_examples, workers)), loader, tracker)
+    return driver.run(cfg, SFT(cfg, model_path, pad_id, shard(val_examples, workers, pad_id)), loader, tracker)
 
 
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
     """`warmstart.steps` supervised steps from `model_path` on the training rows' responses (a
     prompt row's ground truth); returns the new HF directory."""
-    return supervised(cfg, model_path, load(cfg, model_path, train_files)[0], tracker)
+    examples, _, pad_id = load(cfg, model_path, train_files)
+    return supervised(cfg, model_path, examples, pad_id, tracker)
 
 
-def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: Tracker) -> str:
+def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: int, tracker: Tracker) -> str:
     """`warmstart.steps` SFT steps on one worker; returns the HF directory `<output_dir>/warmstart`,
     reused when it is already there. Logs `warmstart/{loss,grad_norm,lr}` every 10 steps and prints
     the loss and the mean step time at every tenth of the run."""
@@ -148,12 +153,13 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
     stages = launch(ws_cfg, model_path, reward=False, generates=False)
     run_step: Runner | None = None
     try:
-        run_step = Runner(stages, step_graph, ws_cfg.trainer.dag)
+        loss = Supervised(ws_cfg)
+        run_step = Runner(stages, lambda s, inputs: step_graph(s, inputs, loss), ws_cfg.trainer.dag)
         every, since = max(1, w.steps // 10), time.perf_counter()  # ten lines a warm start: a long one shows it moves
         for step in range(w.steps):
             begin = time.perf_counter()
             batch = rng.sample(examples, w.batch_size)
-            metrics = step_metrics(run_step([batch]), time.perf_counter() - begin,
+            metrics = step_metrics(run_step([examples_batch(batch, pad_id)]), time.perf_counter() - begin,
                                    sum(len(p) + len(r) for p, r in batch), 1)
             if step % 10 == 0 or step == w.steps - 1:
                 tracker.log_metrics({f"warmstart/{k[4:]}": v for k, v in metrics.items() if k.startswith("sft/")},
@@ -165,7 +171,7 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], tracker: T
                 since = now
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        stages.policy.all(ActorRollout.export, str(tmp))
+        stages.policy.all(Policy.export, str(tmp))
         os.replace(tmp, target)
     finally:
         if run_step is not None:

@@ -1,10 +1,10 @@
 """The rollout stage: a rollout engine with its copy of the policy, and the `generate` verb.
 
-Hybrid placement (the default): the actor (stages/actor.py) owns one and refreshes it in place
+Hybrid placement (the default): the policy (stages/hybrid.py) owns one and refreshes it in place
 after every update. Split placement (`placement.own_pool=[rollout]`): a pool of these, rank r
-generating for the actor's data-parallel rank r, fed by the trainer over `engine.reshard`'s
+generating for the policy's data-parallel rank r, fed by the trainer over `engine.reshard`'s
 weight broadcast. Verbs: `generate`; split only: `connect` (once), `pull_weights` (collective
-with the actor's `push_weights` on every trainer rank and the other rollout ranks).
+with the policy's `push_weights` on every trainer rank and the other rollout ranks).
 
 Invariants:
 - sampling is seeded from (trainer.seed, step, rank // rollout.tp): the same request draws the
@@ -15,7 +15,7 @@ Invariants:
 - `weight_version` is the actor's version of the weights this engine holds (0: the model
   directory it was built from), and every Batch it generates carries it.
 
-Tests: tests/stages/test_actor.py (hybrid), tests/engine/test_reshard.py -k push (the weight
+Tests: tests/stages/test_policy.py (hybrid), tests/engine/test_reshard.py -k push (the weight
 broadcast), tests/pipelines/test_e2e.py -k split (split placement, same metrics as hybrid).
 """
 

@@ -219,21 +219,30 @@ def load_examples(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_
 
 
 def pairs_batch(pairs: list[Pair], pad_id: int) -> Batch:
-    """2B rows, each pair's chosen answer right before its rejected one (group_size 2): prompts
-    left-padded, responses right-padded, as the stages' Batch expects."""
-    prompts = [p.prompt for p in pairs for _ in range(2)]
-    answers = [r for p in pairs for r in (p.chosen, p.rejected)]
-    width = max(len(r) for r in answers)
-    pids = torch.full((len(prompts), max(len(p) for p in prompts)), pad_id, dtype=torch.long)  # [2B, P]
+    """2B rows, each pair's chosen answer right before its rejected one (group_size 2)."""
+    batch = _rows([p.prompt for p in pairs for _ in range(2)], [r for p in pairs for r in (p.chosen, p.rejected)],
+                  pad_id, 2)
+    batch.data_source = [p.data_source for p in pairs for _ in range(2)]
+    batch.prompt_text = [p.text for p in pairs for _ in range(2)]
+    return batch
+
+
+def examples_batch(examples: list[Example], pad_id: int) -> Batch:
+    """One row per supervised example (group_size 1)."""
+    return _rows([p for p, _ in examples], [r for _, r in examples], pad_id, 1)
+
+
+def _rows(prompts: list[list[int]], answers: list[list[int]], pad_id: int, group_size: int) -> Batch:
+    """Prompt -> answer rows as the stages' Batch holds them: prompts left-padded, answers right-padded."""
+    pids = torch.full((len(prompts), max(len(p) for p in prompts)), pad_id, dtype=torch.long)  # [N, P]
     pmask = torch.zeros(pids.shape, dtype=torch.long)
-    rids = torch.full((len(answers), width), pad_id, dtype=torch.long)  # [2B, R]
+    rids = torch.full((len(answers), max(len(r) for r in answers)), pad_id, dtype=torch.long)  # [N, R]
     rmask = torch.zeros(rids.shape, dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompts, answers)):
         pids[i, pids.shape[1] - len(p):], pmask[i, pids.shape[1] - len(p):] = torch.tensor(p), 1
         rids[i, :len(r)], rmask[i, :len(r)] = torch.tensor(r), 1.0
-    sources = [p.data_source for p in pairs for _ in range(2)]
-    return Batch(pids, pmask, 2, sources, [""] * len(sources), [None] * len(sources), response_ids=rids,
-                 response_mask=rmask, prompt_text=[p.text for p in pairs for _ in range(2)])
+    n = len(prompts)
+    return Batch(pids, pmask, group_size, [""] * n, [""] * n, [None] * n, response_ids=rids, response_mask=rmask)
 
 
 def _summarise(files: list[str], counts: dict[str, int], what: str) -> None:

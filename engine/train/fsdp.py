@@ -434,6 +434,7 @@ class TrainEngine:
                                            fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(warmup_steps, total_steps, schedule))
+        self.steps = 0  # optimizer steps taken here, skipped ones included
         self.skipped_steps = 0
         self.consecutive_skips = 0  # reset by every finite step
         # optimizer tensor (a view of its DTensor's local shard, kept: `to_local` makes a new
@@ -446,6 +447,7 @@ class TrainEngine:
         idle ones), clip, update. The host reads no device value before the clip, so it queues
         micro-batches ahead of the device."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
         micro = losses()
         micro += [self.root.idle] * (in_step(self.root, len(micro)) - len(micro))
         total = torch.zeros((), device=self.device)

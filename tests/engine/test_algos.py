@@ -541,7 +541,7 @@ R_ADV = torch.randn(N, T, generator=GEN) * R_MASK  # [N, T]
 
 
 def advantages_for(estimator: str) -> torch.Tensor:
-    """Advantages [N, T] the way the actor stage computes them for `algorithm.advantage=estimator`."""
+    """Advantages [N, T] the way the advantage stage computes them for `algorithm.advantage=estimator`."""
     if estimator == "gae":  # the critic's values; whitened as the stage does
         return masked_whiten(gae(on_last_token(R_SCORES, R_MASK), R_VALUES, R_MASK, 1.0, 1.0)[0], R_MASK)
     baseline = R_GREEDY if estimator == "remax" else None

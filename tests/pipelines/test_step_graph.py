@@ -15,6 +15,7 @@ from pipelines.runtime import LOCAL, Broadcast, Group, InPlace, Runner, Stages
 from stages.worker import StageWorker
 
 LOG: list[tuple[str, int, str]] = []  # (stage, rank, verb) in call order
+LOSS = object()  # stands for a loss object: the graph hands it to the policy's update
 
 
 class Fake:
@@ -30,14 +31,19 @@ class Fake:
     def __getattr__(self, verb: str) -> Any:
         if verb.startswith("_"):
             raise AttributeError(verb)
-        return lambda x: self._log(verb, x)
+        return lambda x, *rest: self._log(verb, x)
 
 
 class Policy(Fake):
-    def update(self, batch: Any) -> Update:
+    def update(self, batch: Any, loss: Any) -> Update:
+        assert loss is LOSS
         self._log("update", batch)
         self.version += 1
         return Update({"batch": batch}, {}, [], self.version)
+
+
+class Advantage(Fake):
+    pass
 
 
 class Reward(Fake):
@@ -65,7 +71,7 @@ def group(cls: type, n: int) -> Group[Any]:
 
 def stages(n: int, reference: bool = False, critic: bool = False, split: bool = False) -> Stages:
     policy = group(Policy, n)
-    s = Stages(policy=policy, generator=policy, sync=InPlace(), reward=group(Reward, n),
+    s = Stages(policy=policy, generator=policy, sync=InPlace(), reward=group(Reward, n), advantage=group(Advantage, n),
                reference=group(Reference, n) if reference else None, critic=group(Critic, n) if critic else None)
     if split:
         s.generator = group(Rollout, n)
@@ -79,23 +85,23 @@ def clear_log():
 
 
 def test_grpo_colocated_runs_one_chain_per_rank_and_no_weight_sync():
-    outputs, waits = grpo.step_graph(stages(2), ["r0", "r1"])
-    chain = ["generate", "score", "logprobs", "advantages", "update"]
+    outputs, waits = grpo.step_graph(stages(2), ["r0", "r1"], LOSS)
+    chain = ["generate", "score", "logprobs", "estimate", "update"]
     assert [v for s, r, v in LOG if r == 0] == chain and [v for s, r, v in LOG if r == 1] == chain
-    assert [s for s, r, v in LOG if r == 0] == ["Policy", "Reward", "Policy", "Policy", "Policy"]
+    assert [s for s, r, v in LOG if r == 0] == ["Policy", "Reward", "Policy", "Advantage", "Policy"]
     assert [u.metrics["batch"] for u in outputs] == ["r0", "r1"] and waits == []
 
 
 def test_ppo_with_a_reference_runs_the_critic_before_the_policy_update():
-    grpo.step_graph(stages(1, reference=True, critic=True), ["r0"])
+    grpo.step_graph(stages(1, reference=True, critic=True), ["r0"], LOSS)
     assert LOG == [("Policy", 0, "generate"), ("Reward", 0, "score"), ("Reference", 0, "logprobs"),
-                   ("Policy", 0, "logprobs"), ("Critic", 0, "values"), ("Policy", 0, "advantages"),
+                   ("Policy", 0, "logprobs"), ("Critic", 0, "values"), ("Advantage", 0, "estimate"),
                    ("Critic", 0, "update"), ("Policy", 0, "update")]
 
 
 def test_split_generates_on_the_rollout_pool_and_pushes_after_every_update():
     s = stages(2, split=True)
-    outputs, waits = grpo.step_graph(s, ["r0", "r1"])
+    outputs, waits = grpo.step_graph(s, ["r0", "r1"], LOSS)
     assert [(st, r) for st, r, v in LOG if v == "generate"] == [("Rollout", 0), ("Rollout", 1)]
     # after both ranks' updates: every policy rank pushes and every rollout rank pulls what it made
     assert LOG[-4:] == [("Policy", 0, "push_weights"), ("Policy", 1, "push_weights"),
@@ -104,21 +110,25 @@ def test_split_generates_on_the_rollout_pool_and_pushes_after_every_update():
 
 
 def test_dynamic_sampling_starts_the_graph_from_scored_batches():
-    grpo.step_graph(stages(1), ["scored"], sampled=True)
-    assert [v for _, _, v in LOG] == ["logprobs", "advantages", "update"]
+    grpo.step_graph(stages(1), ["scored"], LOSS, sampled=True)
+    assert [v for _, _, v in LOG] == ["logprobs", "estimate", "update"]
 
 
 def test_sft_and_dpo_graphs():
-    sft.step_graph(stages(2), [["a"], ["b"]])
-    assert LOG == [("Policy", 0, "sft_update"), ("Policy", 1, "sft_update")]
+    sft.step_graph(stages(2), [["a"], ["b"]], LOSS)
+    assert LOG == [("Policy", 0, "update"), ("Policy", 1, "update")]
     LOG.clear()
-    dpo.step_graph(stages(1, reference=True), ["pairs"])
-    assert LOG == [("Reference", 0, "logprobs"), ("Policy", 0, "dpo_update")]
+    dpo.step_graph(stages(1, reference=True), ["pairs"], LOSS)
+    assert LOG == [("Reference", 0, "logprobs"), ("Policy", 0, "update")]
+    LOG.clear()
+    dpo.step_graph(stages(1, reference=True), ["pairs"], LOSS, held_out=True)
+    assert LOG == [("Reference", 0, "logprobs"), ("Policy", 0, "evaluate")]
 
 
 def test_the_local_runner_returns_each_ranks_output_and_runs_the_sync():
     s = stages(2, split=True)
     algo = grpo.GRPO(load_config(None, []), "unused", [])
+    algo.loss = LOSS
     run = Runner(s, algo.graph, "local")
     out = run([RolloutRequest([], 0), RolloutRequest([], 0)])
     assert [u.weight_version for u in out] == [1, 1] and len(out) == 2

@@ -13,17 +13,20 @@ ROOT = Path(__file__).resolve().parents[2]
 HEAD = """
 from typing import Any
 from pipelines.runtime import Group, Stages
-from stages.actor import ActorRollout
+from engine.train.losses import PolicyGradient, Supervised
+from stages.policy import Policy
 from stages.reward import Reward
 
-def f(policy: Group[ActorRollout], reward: Group[Reward], stages: Stages, batch: Any) -> None:
+def f(policy: Group[Policy], reward: Group[Reward], stages: Stages, batch: Any, pg: PolicyGradient,
+      sft: Supervised) -> None:
 """
 CASES = {
-    "right": ("    reward.at(0, Reward.score, batch)\n    policy.at(1, ActorRollout.update, batch)\n"
-              "    stages.policy.at(0, ActorRollout.logprobs, batch)\n", None),
-    "misspelt": ("    policy.at(0, ActorRollout.updat, batch)\n", 'has no attribute "updat"'),
+    "right": ("    reward.at(0, Reward.score, batch)\n    policy.at(1, Policy.update, batch, pg)\n"
+              "    stages.policy.at(0, Policy.logprobs, batch)\n    policy.at(0, Policy.evaluate, batch, sft)\n", None),
+    "misspelt": ("    policy.at(0, Policy.updat, batch, pg)\n", 'has no attribute "updat"'),
     "arity": ("    reward.at(0, Reward.score, batch, batch)\n", "Too many arguments"),
-    "wrong stage": ("    reward.at(0, ActorRollout.update, batch)\n", "incompatible type"),
+    "wrong stage": ("    reward.at(0, Policy.update, batch, pg)\n", "incompatible type"),
+    "a loss that cannot evaluate": ("    policy.at(0, Policy.evaluate, batch, pg)\n", "incompatible type"),
     "wrong stage of a pipeline's stages": ("    stages.policy.at(0, Reward.score, batch)\n", "incompatible type"),
 }
 

@@ -6,7 +6,9 @@ import torch
 from engine.batch import RolloutRequest
 from engine.config import load_config
 from engine.data.prompts import load_prompts
-from stages.actor import ActorRollout
+from engine.train.losses import PolicyGradient
+from stages.advantage import Advantage
+from stages.hybrid import HybridPolicy
 from stages.reward import Reward
 
 pytestmark = pytest.mark.gpu
@@ -21,11 +23,11 @@ def test_grpo_step_on_gpu_in_bf16(model_dir, data_files, tmp_path):
     (tmp_path / "odd.py").write_text(ODD_LENGTH)
     cfg = load_config(None, [f"reward.function={tmp_path}/odd.py:compute_score", "model.dtype=bfloat16",
                              "rollout.dtype=bfloat16", "data.prompts_per_step=16", "rollout.samples_per_prompt=4"])
-    actor, reward = ActorRollout(cfg, str(model_dir), device="cuda"), Reward(cfg)
+    actor, reward = HybridPolicy(cfg, str(model_dir), device="cuda"), Reward(cfg)
     prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
     before = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
     batch = actor.logprobs(reward.score(actor.generate(RolloutRequest(prompts[:16], step=0))))
-    out = actor.update(actor.advantages(batch))
+    out = actor.update(Advantage(cfg).estimate(batch), PolicyGradient(cfg))
     m = out.metrics
     # on-policy, the update's forward measures it: bf16 generate and bf16 training forward differ
     # only by kernel rounding

@@ -1,5 +1,5 @@
 """The critic stage in-process: value alignment, a learning update, a checkpoint round trip, and GAE
-advantages through the actor's verb."""
+advantages through the advantage stage."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from engine.batch import Batch, RolloutRequest
 from engine.config import load_config
 from engine.data.prompts import load_prompts
 from engine.tensors import left_pad, right_pad
-from stages.actor import ActorRollout
+from engine.train.losses import PolicyGradient
+from stages.advantage import Advantage
 from stages.critic import Critic
+from stages.hybrid import HybridPolicy
 from stages.reward import Reward
 
 PPO = ["algorithm.name=ppo", "algorithm.advantage=gae", "data.max_prompt_tokens=16", "rollout.max_new_tokens=6",
@@ -115,10 +117,11 @@ def test_gae_advantages_are_whitened_and_returns_are_the_critics_targets(model_d
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     cfg = load_config(None, PPO + [f"reward.function={tmp_path}/length_reward.py:compute_score", "algorithm.lam=0.9",
                                    "critic.warmup_steps=1", "trainer.total_steps=2"])
-    actor, critic, reward = ActorRollout(cfg, str(model_dir)), Critic(cfg, str(model_dir)), Reward(cfg)
+    actor, critic, reward = HybridPolicy(cfg, str(model_dir)), Critic(cfg, str(model_dir)), Reward(cfg)
+    adv, loss = Advantage(cfg), PolicyGradient(cfg)
     prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 16)
     batch = critic.values(actor.logprobs(reward.score(actor.generate(RolloutRequest(prompts[:4], step=0)))))
-    batch = actor.advantages(batch)
+    batch = adv.estimate(batch)
     mask = batch.response_mask
     raw, returns = algos.gae(algos.on_last_token(batch.scores, mask), batch.values, mask, 1.0, 0.9)
     torch.testing.assert_close(batch.returns, returns)
@@ -129,11 +132,12 @@ def test_gae_advantages_are_whitened_and_returns_are_the_critics_targets(model_d
 
     # step 0 < critic.warmup_steps: the critic learns, the policy does not move
     policy = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
-    out = actor.update(critic.update(batch))
+    out = actor.update(critic.update(batch), loss)
     assert "critic/vf_loss" in out.metrics and "actor/pg_loss" not in out.metrics
     assert all(torch.equal(v, policy[k]) for k, v in actor.engine.model.state_dict().items())
-    batch = actor.advantages(critic.values(actor.logprobs(reward.score(actor.generate(
+    assert out.weight_version == 0  # no step: the rollout engine's weights stay current
+    batch = adv.estimate(critic.values(actor.logprobs(reward.score(actor.generate(
         RolloutRequest(prompts[:4], step=1))))))
-    out = actor.update(critic.update(batch))
-    assert "actor/pg_loss" in out.metrics
+    out = actor.update(critic.update(batch), loss)
+    assert "actor/pg_loss" in out.metrics and out.weight_version == 1
     assert any(not torch.equal(v, policy[k]) for k, v in actor.engine.model.state_dict().items())

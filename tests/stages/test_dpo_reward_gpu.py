@@ -4,11 +4,12 @@ import math
 
 import pytest
 import torch
-from test_actor import dpo_batch
+from test_policy import dpo_batch
 
 from engine.config import load_config
 from engine.data.reward_model import RewardModel
-from stages.actor import ActorRollout
+from engine.train.losses import Preference
+from stages.policy import Policy
 from stages.reference import Reference
 
 pytestmark = pytest.mark.gpu
@@ -17,16 +18,17 @@ pytestmark = pytest.mark.gpu
 def test_dpo_update_on_gpu_in_bf16(model_dir):
     cfg = load_config(None, ["model.dtype=bfloat16", "rollout.dtype=bfloat16", "data.prompts_per_step=8",
                              "actor.mini_batch_prompts=8", "actor.lr=1e-2"])
-    actor, ref = ActorRollout(cfg, str(model_dir), device="cuda"), Reference(cfg, str(model_dir), device="cuda")
+    actor, ref = Policy(cfg, str(model_dir), device="cuda"), Reference(cfg, str(model_dir), device="cuda")
     batch = dpo_batch(actor, ref, 8)
     before = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
-    start = actor.dpo_eval(batch.rows(slice(None)))["sums"]
-    assert start["loss"] / 8 == pytest.approx(math.log(2), abs=1e-3)  # policy == reference, bf16 kernels alike
-    out = actor.dpo_update(batch)
-    assert math.isfinite(out["sums"]["loss"]) and out["metrics"]["dpo/grad_norm"] > 0
+    loss = Preference(cfg)
+    start = actor.evaluate(batch.rows(slice(None)), loss).metrics
+    assert start["dpo/loss"] == pytest.approx(math.log(2), abs=1e-3)  # policy == reference, bf16 kernels alike
+    out = actor.update(batch, loss).metrics
+    assert math.isfinite(out["dpo/loss"]) and out["dpo/grad_norm"] > 0
     assert any(not torch.equal(v, before[k]) for k, v in actor.engine.model.state_dict().items())
-    after = actor.dpo_eval(batch)["sums"]
-    assert after["reward_margin"] > start["reward_margin"]  # one step on these pairs widens their margin
+    after = actor.evaluate(batch, loss).metrics
+    assert after["dpo/reward_margin"] > start["dpo/reward_margin"]  # one step on these pairs widens their margin
 
 
 def test_reward_model_on_gpu_matches_the_cpu(reward_model_dir):

@@ -1,0 +1,70 @@
+"""The advantage stage: engine.algos' estimators on a scored batch, and the KL controller's state.
+
+Verbs: `estimate(batch) -> batch` fills `advantages` [N, R] (and, for GAE, the critic's
+`returns`); `save(dir)`, `load(dir)` keep the adaptive KL coefficient across a resume. It runs in
+the policy's process, between the critic's values and the updates.
+
+`algorithm.advantage` picks the estimator: a group baseline (GRPO, Dr.GRPO, RLOO,
+REINFORCE++), ReMax's greedy-answer baseline, or GAE over the critic's values (PPO). With
+`algorithm.kl_in_reward` a per-token KL penalty to the reference joins the rewards, its
+coefficient fixed or adapted to `algorithm.kl_target` after every step that trains the policy.
+DAPO's overlong shaping changes the reward the advantages see; the logged score stays raw.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from engine import algos
+from engine.batch import Batch
+from engine.config import Config
+
+
+class Advantage:
+    def __init__(self, cfg: Config, rank: int = 0) -> None:
+        self.cfg, self.rank = cfg, rank
+        alg = cfg.algorithm
+        self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
+                       if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))
+
+    def estimate(self, batch: Batch) -> Batch:
+        start = time.perf_counter()
+        alg, mask, rw = self.cfg.algorithm, batch.response_mask, self.cfg.reward
+        scores = batch.scores
+        if rw.overlong_buffer:  # DAPO: shape the reward that advantages see; the logged score stays raw
+            penalty = algos.overlong_penalty(mask.sum(1), self.cfg.rollout.max_new_tokens, rw.overlong_buffer,
+                                             rw.overlong_penalty)
+            scores = scores + penalty
+            batch.metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
+        token_rewards = None
+        if alg.kl_in_reward:
+            kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
+            token_rewards = algos.kl_in_reward(algos.on_last_token(scores, mask), kl, mask, self.kl_ctl.value)
+            batch.metrics["actor/reward_kl_penalty"] = float(algos.masked_mean(kl, mask))
+            batch.metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctl.value
+            if batch.step >= self.cfg.critic.warmup_steps:  # a step that trains the policy moves the coefficient
+                self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
+        if alg.advantage == "gae":  # PPO: per-token advantages from the critic's values; returns are its targets
+            rewards = algos.on_last_token(scores, mask) if token_rewards is None else token_rewards
+            advantages, batch.returns = algos.gae(rewards, batch.values, mask, alg.gamma, alg.lam)
+            batch.advantages = algos.masked_whiten(advantages, mask)
+        else:
+            baseline = batch.baseline_scores if alg.advantage == "remax" else None
+            batch.advantages = algos.compute_advantages(
+                alg.advantage, scores, mask, batch.group_size, alg.gamma, token_rewards, baseline)
+        batch.timing["adv"] = time.perf_counter() - start
+        return batch
+
+    def save(self, directory: str) -> None:
+        torch.save({"kl": self.kl_ctl.value}, Path(directory) / f"advantage_{self.rank}.pt")
+
+    def load(self, directory: str) -> None:
+        own = Path(directory) / f"advantage_{self.rank}.pt"
+        older = Path(directory) / f"worker_{self.rank}.pt"  # checkpoints before this stage kept it there
+        if own.exists():
+            self.kl_ctl.value = torch.load(own, weights_only=True)["kl"]
+        elif older.exists():
+            self.kl_ctl.value = torch.load(older, weights_only=True).get("kl", self.kl_ctl.value)
