@@ -26,31 +26,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from engine.algos import pass_at_k
 from engine.batch import Batch
 from engine.config import Config
 from engine.data.prompts import load_prompts
 from engine.tracking import Tracker
-from pipelines.grpo import rollout
+from pipelines.grpo import rollout, summarise
 from pipelines.runtime import WORKER_LOST, how_lost, launch_scoring
-
-
-def summarise(sources: list[str], greedy: list[float], sampled: list[list[float]]) -> dict[str, float]:
-    """accuracy, mean_at_k and pass_at_j per data_source ("eval/<source>/...") and overall ("eval/...")."""
-    n = len(sampled[0])
-    ks = sorted({j for j in (2**i for i in range(n.bit_length())) if j <= n} | {n})
-    groups: dict[str, list[int]] = {"eval/": list(range(len(sources)))}
-    for i, source in enumerate(sources):
-        groups.setdefault(f"eval/{source}/", []).append(i)
-    out = {}
-    for prefix, rows in groups.items():
-        out[f"{prefix}prompts"] = float(len(rows))
-        out[f"{prefix}accuracy"] = sum(greedy[i] >= 1.0 for i in rows) / len(rows)
-        out[f"{prefix}mean_at_{n}"] = sum(sum(sampled[i]) / n for i in rows) / len(rows)
-        for k in ks:
-            out[f"{prefix}pass_at_{k}"] = sum(pass_at_k(n, sum(s >= 1.0 for s in sampled[i]), k)
-                                              for i in rows) / len(rows)
-    return out
 
 
 def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[list[Batch], list[Batch]]:
@@ -84,7 +65,7 @@ def evaluate(cfg: Config, model_dir: Path, files: list[str], tracker: Tracker) -
     k = cfg.rollout.samples_per_prompt
     greedy_scores = [float(x) for b in greedy for x in b.scores]
     sampled_scores = [row for b in sampled for row in b.scores.view(-1, k).tolist()]
-    metrics = summarise([p.data_source for p in prompts], greedy_scores, sampled_scores)
+    metrics = summarise("eval/", [p.data_source for p in prompts], greedy_scores, sampled_scores)
     metrics["eval/reward_errors"] = sum(b.metrics.get("reward/errors", 0.0) for b in greedy + sampled)
     tracker.log_metrics({**metrics, **{f"data/{k}": v for k, v in counts.items()}}, step=0)
     responses = [r for b in greedy for r in b.responses]

@@ -34,8 +34,6 @@ Run: `rlflow train [conf/x.yaml] [key=value ...]`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +60,26 @@ def step_graph(stages: Stages, inputs: list[Any], loss: PolicyGradient, sampled:
                                                                                                       list[Any]]:
     """The step's dataflow, one chain per rank, over stages bound to a call mode.
 
-    Inputs are RolloutRequests, or with `sampled` the scored batches dynamic sampling kept.
+    Inputs are one RolloutRequest per rank, or with `sampled` the scored batches dynamic sampling
+    kept; for ReMax (not sampled) each rank's greedy request follows, at `inputs[workers + rank]`.
     Returns each rank's Update (what the driver reads) and the weight sync that follows (waited for)."""
     assert stages.generator is not None and stages.reward is not None and stages.advantage is not None
     updates = []
-    for rank, batch in enumerate(inputs):
+    n = stages.workers
+    for rank, batch in enumerate(inputs[:n]):
+        baseline = None
         if not sampled:
             batch = stages.generator.at(rank, Generator.generate, batch)  # G samples per prompt, with logprobs
             batch = stages.reward.at(rank, Reward.score, batch)  # rule reward per response
+            if len(inputs) > n:  # ReMax: the greedy answer of each prompt, scored alike
+                baseline = stages.reward.at(rank, Reward.score,
+                                            stages.generator.at(rank, Generator.generate, inputs[n + rank]))
         if stages.reference is not None:
             batch = stages.reference.at(rank, Reference.logprobs, batch)  # anchor for the KL loss
         batch = stages.policy.at(rank, Policy.logprobs, batch)  # old-policy logprobs for the PPO ratio
         if stages.critic is not None:
             batch = stages.critic.at(rank, Critic.values, batch)  # the baseline of every token, for GAE
-        batch = stages.advantage.at(rank, Advantage.estimate, batch)  # group-relative, or GAE with the values
+        batch = stages.advantage.at(rank, Advantage.estimate, batch, baseline)  # group-relative, or GAE
         if stages.critic is not None:  # before the policy's, so every rank runs their collectives in one order
             batch = stages.critic.at(rank, Critic.update, batch)  # clipped value regression on the GAE returns
         updates.append(stages.policy.at(rank, Policy.update, batch, loss))  # PPO-clip epochs over mini-batches
@@ -105,37 +109,33 @@ def rollout(generator: Group[Generator] | None, reward: Group[Reward] | None, pr
 
 
 def validate(stages: Stages, prompts: list[Prompt], step: int, k: int) -> dict[str, float]:
-    """Held-out scores per data_source and overall: greedy, and with k > 0 mean@k and pass@j (j = 2, 4 .. k).
-
-    A sample passes when it scores >= 1, a rule reward's full marks.
-    """
+    """Held-out scores (`summarise`, as `val/...`) of one greedy answer and, with k > 0, k samples a prompt."""
     greedy = rollout(stages.generator, stages.reward, prompts, step, greedy=True)
-    out = prompt_means(greedy, {"greedy_score": lambda s: s[0]})
-    if k:
-        stats: dict[str, Callable[[list[float]], float]] = {f"mean_at_{k}": lambda s: sum(s) / len(s)}
-        for j in sorted({2 ** i for i in range(1, k.bit_length())} | {k} - {1}):
-            stats[f"pass_at_{j}"] = partial(passed, j)
-        out.update(prompt_means(rollout(stages.generator, stages.reward, prompts, step, samples=k), stats))
-    return out
+    sampled = rollout(stages.generator, stages.reward, prompts, step, samples=k) if k else []
+    return summarise("val/", [s for b in greedy for s in b.data_source], [float(x) for b in greedy for x in b.scores],
+                     [row for b in sampled for row in b.scores.view(-1, k).tolist()])
 
 
-def passed(k: int, scores: list[float]) -> float:
-    """Unbiased pass@k of one prompt's sampled scores."""
-    return algos.pass_at_k(len(scores), sum(x >= 1.0 for x in scores), k)
-
-
-def prompt_means(batches: list[Batch], stats: dict[str, Callable[[list[float]], float]]) -> dict[str, float]:
-    """`val/<data_source>/<stat>` and `val/<stat>`: each stat of one prompt's scores, averaged over prompts."""
-    scores: dict[str, list[list[float]]] = {}  # data_source -> one list of sample scores per prompt
-    for b in batches:
-        for i, row in enumerate(b.scores.view(-1, b.group_size).tolist()):
-            scores.setdefault(b.data_source[i * b.group_size], []).append(row)
+def summarise(prefix: str, sources: list[str], greedy: list[float], sampled: list[list[float]]) -> dict[str, float]:
+    """`<prefix><stat>` over every prompt and `<prefix><data_source>/<stat>` per data_source, each a
+    mean over prompts of: `greedy_score` (the greedy answer's score), `accuracy` (whether it scores
+    >= 1, a rule reward's full marks) and, given n samples a prompt, `mean_at_<n>` and the unbiased
+    `pass_at_<j>` (j = 1, 2, 4 .. n; a sample passes at >= 1); and `prompts`, how many there were.
+    Training's validation and `rlflow eval` both report these."""
+    groups: dict[str, list[int]] = {prefix: list(range(len(sources)))}
+    for i, source in enumerate(sources):
+        groups.setdefault(f"{prefix}{source}/", []).append(i)
+    n = len(sampled[0]) if sampled else 0
     out = {}
-    for name, stat in stats.items():
-        values = {source: [stat(row) for row in rows] for source, rows in scores.items()}
-        out.update({f"val/{source}/{name}": sum(v) / len(v) for source, v in values.items()})
-        every = [x for v in values.values() for x in v]
-        out[f"val/{name}"] = sum(every) / len(every)
+    for p, rows in groups.items():
+        out[f"{p}prompts"] = float(len(rows))
+        out[f"{p}greedy_score"] = sum(greedy[i] for i in rows) / len(rows)
+        out[f"{p}accuracy"] = sum(greedy[i] >= 1.0 for i in rows) / len(rows)
+        if n:
+            out[f"{p}mean_at_{n}"] = sum(sum(sampled[i]) / n for i in rows) / len(rows)
+            for j in sorted({2 ** i for i in range(n.bit_length())} | {n}):
+                out[f"{p}pass_at_{j}"] = sum(algos.pass_at_k(n, sum(s >= 1.0 for s in sampled[i]), j)
+                                             for i in rows) / len(rows)
     return out
 
 
@@ -151,22 +151,33 @@ def balanced_shards(batch: Batch, workers: int, mini_prompts: int) -> list[Batch
     return [batch.rows(torch.tensor(rows)) for rows in ranks]
 
 
-def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int) -> tuple[Batch, dict[str, float]]:
+def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int,
+                   remax: bool = False) -> tuple[Batch, dict[str, float]]:
     """Generate and score rounds of prompts until a step's worth of groups whose rewards differ is
     found, or `tries` rounds ran; then top up with groups that all agree (no learning signal, counted)
-    so that every step has the same shape."""
+    so that every step has the same shape. With `remax`, the kept prompts' greedy answers are
+    generated and scored too (the batch's `baseline_scores`)."""
     want = loader.batch_size
     batches: list[Batch] = []
+    prompts: list[Prompt] = []  # of every round, in the order of the pooled rows' groups
     timing: dict[str, float] = {}
     for _ in range(tries):
-        scored = rollout(stages.generator, stages.reward, loader.next_batch(), step)
+        round_prompts = loader.next_batch()
+        prompts += round_prompts
+        scored = rollout(stages.generator, stages.reward, round_prompts, step)
         for key in scored[0].timing:  # ranks run in parallel, rounds one after another
             timing[key] = timing.get(key, 0.0) + max(b.timing[key] for b in scored)
         batches += scored
         if sum(int(algos.varied_groups(b.scores, b.group_size).sum()) for b in batches) >= want:
             break
     pool = Batch.cat(batches)
-    kept = pool.rows(algos.dynamic_sampling_rows(pool.scores, pool.group_size, want))
+    rows = algos.dynamic_sampling_rows(pool.scores, pool.group_size, want)
+    kept = pool.rows(rows)
+    if remax:
+        greedy = rollout(stages.generator, stages.reward, [prompts[int(i)] for i in rows[::pool.group_size] //
+                                                           pool.group_size], step, greedy=True)
+        kept.baseline_scores = torch.cat([b.scores for b in greedy]).repeat_interleave(pool.group_size)
+        timing["baseline"] = max(sum(b.timing.values()) for b in greedy)
     kept.timing = timing
     varied = int(algos.varied_groups(pool.scores, pool.group_size).sum())
     common = set.intersection(*(set(b.metrics) for b in batches))  # reward/* of every scored batch
@@ -196,6 +207,7 @@ class GRPO:
         self.cfg, self.model_path, self.val_prompts = cfg, model_path, val_prompts
         self.tries = cfg.algorithm.dynamic_sampling_tries  # > 0: the driver generates and filters before the graph
         self.loss = PolicyGradient(cfg)
+        self.remax = cfg.algorithm.advantage == "remax"  # the baseline: a greedy answer per prompt
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
         return step_graph(stages, inputs, self.loss, sampled=self.tries > 0)
@@ -207,10 +219,13 @@ class GRPO:
                       critic=c.algorithm.advantage == "gae")
 
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
-        """RolloutRequests, or with DAPO's dynamic sampling the scored batches it kept."""
+        """RolloutRequests (for ReMax, then a greedy one per rank), or with DAPO's dynamic sampling
+        the scored batches it kept."""
         if not self.tries:
-            return [RolloutRequest(s, step) for s in shards(loader.next_batch(), stages.workers)], {}
-        kept, metrics = dynamic_sample(stages, loader, step, self.tries)
+            parts = shards(loader.next_batch(), stages.workers)
+            greedy = [RolloutRequest(s, step, greedy=True) for s in parts] if self.remax else []
+            return [RolloutRequest(s, step) for s in parts] + greedy, {}
+        kept, metrics = dynamic_sample(stages, loader, step, self.tries, self.remax)
         return balanced_shards(kept, stages.workers, self.cfg.actor.mini_batch_prompts), metrics
 
     def metrics(self, outputs: list[Update], seconds: float) -> dict[str, float]:

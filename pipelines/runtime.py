@@ -328,19 +328,23 @@ class Runner:
 
     def __init__(self, stages: Stages, graph: Graph, mode: str) -> None:
         self.stages, self.graph, self.mode = stages, graph, mode
-        self.compiled: Any = None
-        if mode == "compiled":
-            from ray.dag import InputNode, MultiOutputNode
+        self.compiled: Any = None  # compiled at the first step, for as many inputs as it has
+        self.outputs = 0
 
-            with InputNode() as inp:
-                outputs, waits = graph(stages.bound(BIND), [inp[r] for r in range(stages.workers)])
-                self.outputs = len(outputs)
-                dag = MultiOutputNode(outputs + waits)
-            self.compiled = dag.experimental_compile(_submit_timeout=stages.timeout)
+    def _compile(self, inputs: int) -> None:
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as inp:
+            outputs, waits = self.graph(self.stages.bound(BIND), [inp[i] for i in range(inputs)])
+            self.outputs = len(outputs)
+            dag = MultiOutputNode(outputs + waits)
+        self.compiled = dag.experimental_compile(_submit_timeout=self.stages.timeout)
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
         """Each rank's output of one step."""
-        if self.compiled is not None:
+        if self.mode == "compiled":
+            if self.compiled is None:
+                self._compile(len(inputs))
             return ray.get(self.compiled.execute(*inputs), timeout=self.stages.timeout)[:self.outputs]
         call = LOCAL if self.mode == "local" else SUBMIT
         outputs, waits = self.graph(self.stages.bound(call), inputs)

@@ -1,8 +1,10 @@
 """The advantage stage: engine.algos' estimators on a scored batch, and the KL controller's state.
 
-Verbs: `estimate(batch) -> batch` fills `advantages` [N, R] (and, for GAE, the critic's
-`returns`); `save(dir)`, `load(dir)` keep the adaptive KL coefficient across a resume. It runs in
-the policy's process, between the critic's values and the updates.
+Verbs: `estimate(batch, baseline) -> batch` fills `advantages` [N, R] (and, for GAE, the critic's
+`returns`; for ReMax, `baseline` holds the scored greedy answer of each prompt, a second generate
+request of the pipeline, unless the batch already carries their scores); `save(dir)` and
+`load(dir)` keep the adaptive KL coefficient across a resume. It runs in the policy's process,
+between the critic's values and the updates.
 
 `algorithm.advantage` picks the estimator: a group baseline (GRPO, Dr.GRPO, RLOO,
 REINFORCE++), ReMax's greedy-answer baseline, or GAE over the critic's values (PPO). With
@@ -30,9 +32,12 @@ class Advantage:
         self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
                        if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))
 
-    def estimate(self, batch: Batch) -> Batch:
+    def estimate(self, batch: Batch, baseline: Batch | None = None) -> Batch:
         start = time.perf_counter()
         alg, mask, rw = self.cfg.algorithm, batch.response_mask, self.cfg.reward
+        if baseline is not None:  # ReMax: one greedy answer a prompt, scored; its generation's time counts
+            batch.baseline_scores = baseline.scores.repeat_interleave(batch.group_size)  # [N]
+            batch.timing["baseline"] = sum(baseline.timing.values())
         scores = batch.scores
         if rw.overlong_buffer:  # DAPO: shape the reward that advantages see; the logged score stays raw
             penalty = algos.overlong_penalty(mask.sum(1), self.cfg.rollout.max_new_tokens, rw.overlong_buffer,
@@ -52,9 +57,11 @@ class Advantage:
             advantages, batch.returns = algos.gae(rewards, batch.values, mask, alg.gamma, alg.lam)
             batch.advantages = algos.masked_whiten(advantages, mask)
         else:
-            baseline = batch.baseline_scores if alg.advantage == "remax" else None
+            greedy = batch.baseline_scores if alg.advantage == "remax" else None
+            if greedy is not None:
+                batch.metrics["reward/greedy_baseline/mean"] = float(greedy.mean())
             batch.advantages = algos.compute_advantages(
-                alg.advantage, scores, mask, batch.group_size, alg.gamma, token_rewards, baseline)
+                alg.advantage, scores, mask, batch.group_size, alg.gamma, token_rewards, greedy)
         batch.timing["adv"] = time.perf_counter() - start
         return batch
 

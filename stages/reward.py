@@ -1,7 +1,6 @@
 """The reward stage: rule functions and, optionally, a reward model scoring decoded responses.
 
-Verb: `score(batch) -> batch` filling `scores` [N] (and `baseline_scores` [N] when the batch
-carries ReMax's greedy answers) and `reward/*` metrics. A score is
+Verb: `score(batch) -> batch` filling `scores` [N] and `reward/*` metrics. A score is
 `reward.rule_weight x rule + reward.model_weight x model(prompt + response)`; a part whose weight
 is 0 is not computed, and each part computed is logged as `reward/rule/mean`, `reward/model/mean`
 (`critic/score/*` is the mix). A failing user function scores 0 and is counted
@@ -31,9 +30,6 @@ class Reward:
     def score(self, batch: Batch) -> Batch:
         start = time.perf_counter()
         batch.scores, metrics = self.mix(batch, batch.responses)
-        if batch.baseline_responses:  # ReMax: the greedy answers, scored alike
-            batch.baseline_scores, _ = self.mix(batch, batch.baseline_responses)
-            metrics["reward/greedy_baseline/mean"] = float(batch.baseline_scores.mean())
         batch.metrics.update(metrics)
         batch.timing["reward"] = time.perf_counter() - start
         return batch

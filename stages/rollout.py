@@ -22,7 +22,6 @@ broadcast), tests/pipelines/test_e2e.py -k split (split placement, same metrics 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 from transformers import AutoTokenizer
@@ -60,11 +59,6 @@ class Rollout:
         # a rank may have no prompts (validation of fewer prompts than ranks); with TP it still
         # generates its group's
         groups = self.engine.generate(prompts, params)[mine] if prompts else []
-        baseline = []
-        if self.cfg.algorithm.advantage == "remax" and not (request.greedy or request.samples):
-            # ReMax's baseline: one greedy answer per training prompt, scored by the reward stage.
-            greedy = self.engine.generate(prompts, replace(params, temperature=0.0, n=1))[mine]
-            baseline = self.tokenizer.batch_decode([g[0].token_ids for g in greedy], skip_special_tokens=True)
         completions = [c for group in groups for c in group]
         n = params.n
         pids, pmask = left_pad([p.ids for p in request.prompts], self.tokenizer.pad_token_id)
@@ -80,7 +74,7 @@ class Rollout:
             finish_reason=[c.finish_reason for c in completions],
             prompt_text=expand([p.text for p in request.prompts]),
             responses=self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True),
-            baseline_responses=expand(baseline), step=request.step, weight_version=self.weight_version,
+            step=request.step, weight_version=self.weight_version,
         )
         batch.timing["gen"] = time.perf_counter() - start
         peak_memory("gen", batch.metrics)

@@ -76,3 +76,23 @@ def test_no_import_circle():
         if state[node] == 0:
             visit(node, [])
     assert not cycles, "import circles:\n" + "\n".join(cycles)
+
+
+def test_no_stage_defines_more_than_six_verbs_of_its_own():
+    """A stage's public methods, less those it overrides (a wrapper such as the hybrid policy
+    delegates to the policy's): six at most, so that no stage grows back into a god object."""
+    import importlib
+    import inspect
+
+    from torch import nn
+
+    stages = []
+    for path in sorted((ROOT / "stages").glob("*.py")):
+        module = importlib.import_module(f"stages.{path.stem}")
+        stages += [c for _, c in inspect.getmembers(module, inspect.isclass)
+                   if c.__module__ == module.__name__ and not issubclass(c, nn.Module)]
+    assert {c.__name__ for c in stages} >= {"Policy", "HybridPolicy", "Rollout", "Reward", "Critic", "Advantage"}
+    own = {c.__name__: [n for n, v in vars(c).items() if callable(v) and not n.startswith("_")
+                        and not any(hasattr(base, n) for base in c.__mro__[1:])] for c in stages}
+    assert {name: verbs for name, verbs in own.items() if len(verbs) > 6} == {}
+    assert own["HybridPolicy"] == ["generate"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from pipelines.eval import summarise
+from pipelines.grpo import summarise
 
 BIN = Path(sys.executable).parent
 
@@ -34,7 +34,7 @@ def pass_at(n: int, c: int, k: int) -> float:
 
 
 def test_summarise_per_source_and_overall() -> None:
-    m = summarise(["a", "a", "b"], [1.0, 0.0, 1.0], [[1.0, 0.0, 0.0, 0.0], [0.0] * 4, [1.0, 1.0, 0.5, 0.0]])
+    m = summarise("eval/", ["a", "a", "b"], [1.0, 0.0, 1.0], [[1.0, 0.0, 0.0, 0.0], [0.0] * 4, [1.0, 1.0, 0.5, 0.0]])
     assert m["eval/a/accuracy"] == 0.5 and m["eval/b/accuracy"] == 1.0 and m["eval/accuracy"] == 2 / 3
     assert m["eval/a/mean_at_4"] == pytest.approx(0.125) and m["eval/b/mean_at_4"] == pytest.approx(0.625)
     # a: c=1 and c=0 of 4; b: c=2 of 4 (0.5 is not correct)
@@ -42,8 +42,12 @@ def test_summarise_per_source_and_overall() -> None:
     assert m["eval/b/pass_at_2"] == pytest.approx(1 - 1 / 6)
     assert m["eval/pass_at_4"] == pytest.approx(2 / 3)
     assert set(k for k in m if k.startswith("eval/a/")) == {
-        "eval/a/prompts", "eval/a/accuracy", "eval/a/mean_at_4", "eval/a/pass_at_1", "eval/a/pass_at_2",
-        "eval/a/pass_at_4"}
+        "eval/a/prompts", "eval/a/greedy_score", "eval/a/accuracy", "eval/a/mean_at_4", "eval/a/pass_at_1",
+        "eval/a/pass_at_2", "eval/a/pass_at_4"}
+    # without samples (training validation with trainer.val_samples=0): the greedy numbers only
+    assert summarise("val/", ["a"], [0.5], []) == {
+        "val/prompts": 1.0, "val/greedy_score": 0.5, "val/accuracy": 0.0,
+        "val/a/prompts": 1.0, "val/a/greedy_score": 0.5, "val/a/accuracy": 0.0}
 
 
 @pytest.mark.timeout(300)

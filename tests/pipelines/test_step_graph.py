@@ -109,6 +109,14 @@ def test_split_generates_on_the_rollout_pool_and_pushes_after_every_update():
     assert waits == outputs + outputs  # each push and pull was handed its rank's Update
 
 
+def test_remax_generates_and_scores_each_ranks_greedy_request_too():
+    grpo.step_graph(stages(2), ["r0", "r1", "greedy0", "greedy1"], LOSS)
+    assert [(s, v) for s, r, v in LOG if r == 0] == [
+        ("Policy", "generate"), ("Reward", "score"), ("Policy", "generate"), ("Reward", "score"),
+        ("Policy", "logprobs"), ("Advantage", "estimate"), ("Policy", "update")]
+    assert sum(v == "update" for _, _, v in LOG) == 2
+
+
 def test_dynamic_sampling_starts_the_graph_from_scored_batches():
     grpo.step_graph(stages(1), ["scored"], LOSS, sampled=True)
     assert [v for _, _, v in LOG] == ["logprobs", "estimate", "update"]

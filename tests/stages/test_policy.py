@@ -94,13 +94,14 @@ def test_remax_baseline_is_the_scored_greedy_answer(model_dir, data_files, tmp_p
                              "rollout.samples_per_prompt=2", "data.max_prompt_tokens=16"])
     actor, reward = HybridPolicy(cfg, str(model_dir)), Reward(cfg)
     prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 16)
-    batch = Advantage(cfg).estimate(reward.score(actor.generate(RolloutRequest(prompts[:4], step=0))))
-    greedy = actor.generate(RolloutRequest(prompts[:4], step=0, greedy=True))
-    assert batch.baseline_responses == [r for r in greedy.responses for _ in range(2)]
-    expected = [float(len(r) % 2) for r in batch.baseline_responses]
-    assert batch.baseline_scores.tolist() == expected
+    sampled = reward.score(actor.generate(RolloutRequest(prompts[:4], step=0)))
+    greedy = reward.score(actor.generate(RolloutRequest(prompts[:4], step=0, greedy=True)))  # the second request
+    assert len(sampled) == 8 and len(greedy) == 4
+    batch = Advantage(cfg).estimate(sampled, greedy)
+    expected = [float(len(r) % 2) for r in greedy.responses]
+    assert batch.baseline_scores.tolist() == [s for s in expected for _ in range(2)]
+    assert batch.metrics["reward/greedy_baseline/mean"] == pytest.approx(sum(expected) / 4)
     torch.testing.assert_close(batch.advantages, (batch.scores - batch.baseline_scores)[:, None] * batch.response_mask)
-    assert greedy.baseline_responses == []  # validation requests carry no baseline
 
 
 def test_sft_update_lowers_the_loss(model_dir):
