@@ -30,7 +30,8 @@ import yaml
 from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
-EMBEDDED_WARMSTART_STEPS = 1800  # supervised steps that take the embedded model to roughly 20-40%
+EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start: at most this many steps ...
+EMBEDDED_WARMSTART_ACCURACY = 0.3  # ... ending once its greedy accuracy on training problems reaches this
 
 
 @dataclass
@@ -133,9 +134,11 @@ class DPOConfig:
 
 @dataclass
 class WarmstartConfig:
-    steps: int = -1  # supervised steps on the train answers before RL/DPO; 0 skips; -1: 1800 for embedded, else 0
+    steps: int = -1  # supervised steps on the train answers before RL/DPO (at most); 0 skips; -1: 4000 embedded, else 0
     lr: float = 1e-3  # the warm start's constant learning rate
     batch_size: int = 32  # examples per warm-start step, on one worker
+    stop_accuracy: float = -1.0  # RL: stop at this greedy accuracy on 256 held-out train prompts; 0 no; -1: .3 embedded
+    check_every: int = 100  # warm-start steps between two measurements of that accuracy
 
 
 @dataclass
@@ -271,8 +274,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"algorithm.name={named!r} contradicts this run, which is {cfg.algorithm.name!r}: the "
                           "command sets sft and dpo (`rlflow sft`, `rlflow dpo`); an RL run's name follows "
                           "algorithm.advantage and actor.policy_loss (advantage gae is ppo)")
+    embedded = cfg.model.path == EMBEDDED
     if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained; SFT is the training itself
-        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if cfg.model.path == EMBEDDED and job != "sft" else 0
+        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if embedded and job != "sft" else 0
+    if cfg.warmstart.stop_accuracy == -1:  # auto: the embedded task's RL learns most from a weak, not random, start
+        cfg.warmstart.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded else 0.0
     validate(cfg)
     return cfg
 
@@ -411,6 +417,9 @@ def validate(cfg: Config) -> None:
                           "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
         raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
+    w = cfg.warmstart
+    if not (0 <= w.stop_accuracy <= 1 or w.stop_accuracy == -1) or w.check_every < 1:
+        raise ConfigError("warmstart.stop_accuracy must be in [0, 1] (or -1: auto), warmstart.check_every >= 1")
     if cfg.trainer.step_timeout_s <= 0:
         raise ConfigError(f"trainer.step_timeout_s must be > 0, got {cfg.trainer.step_timeout_s}")
 

@@ -14,8 +14,12 @@ compiled into a Ray compiled graph (`trainer.dag=compiled`) or run as `.remote()
 Validation (`val/sft/loss`, the mean response-token NLL of `data.val_files`), checkpoints,
 restarts and logging are the driver loop's (pipelines/driver.py), between executions.
 
-The warm start (`supervised`) runs the same step on one worker for `warmstart.steps` steps of
-`warmstart.batch_size` examples at a constant `warmstart.lr`, without validation or checkpoints.
+The warm start (`supervised`) runs the same step on one worker for at most `warmstart.steps` steps
+of `warmstart.batch_size` examples at a constant `warmstart.lr`, without checkpoints. Before RL,
+with `warmstart.stop_accuracy` > 0, it holds 256 training prompts out and ends
+once their greedy accuracy (scored by the run's reward, measured every `warmstart.check_every`
+steps) reaches that: where a warm start lands, not how many steps it took, decides how much RL
+can gain, and the steps a given accuracy takes vary with the machine's arithmetic and the seed.
 
 Invariants:
 - batches are drawn with generators seeded from `trainer.seed`: a `PromptLoader` (shuffled epochs,
@@ -40,10 +44,10 @@ from transformers import AutoTokenizer
 
 from engine.batch import Batch, Update
 from engine.config import Config, override
-from engine.data.prompts import Example, PromptLoader, examples_batch, load_examples
+from engine.data.prompts import Example, Prompt, PromptLoader, examples_batch, load_examples, load_prompts
 from engine.tracking import Tracker
 from engine.train.losses import Supervised
-from pipelines import driver
+from pipelines import driver, grpo
 from pipelines.runtime import SUBMIT, Runner, Stages, launch, wait
 from stages.policy import Policy
 
@@ -129,16 +133,35 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
 
 
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
-    """`warmstart.steps` supervised steps from `model_path` on the training rows' responses (a
-    prompt row's ground truth); returns the new HF directory."""
+    """Supervised steps from `model_path` on the training rows' responses (a prompt row's ground
+    truth) before RL, up to `warmstart.stop_accuracy` on held-out training prompts; returns the new
+    HF directory."""
     examples, _, pad_id = load(cfg, model_path, train_files)
-    return supervised(cfg, model_path, examples, pad_id, tracker)
+    dev: list[Prompt] = []
+    if cfg.warmstart.stop_accuracy:
+        prompts, _ = load_prompts(train_files, AutoTokenizer.from_pretrained(model_path), cfg.data.max_prompt_tokens,
+                                  cfg.data.overlong_prompts)
+        examples, dev = hold_out(examples, prompts, DEV_PROMPTS, cfg.trainer.seed)
+    return supervised(cfg, model_path, examples, pad_id, tracker, dev)
 
 
-def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: int, tracker: Tracker) -> str:
-    """`warmstart.steps` SFT steps on one worker; returns the HF directory `<output_dir>/warmstart`,
-    reused when it is already there. Logs `warmstart/{loss,grad_norm,lr}` every 10 steps and prints
-    the loss and the mean step time at every tenth of the run."""
+DEV_PROMPTS = 256  # training prompts the warm start holds out, to measure its accuracy on
+
+
+def hold_out(examples: list[Example], prompts: list[Prompt], n: int, seed: int) -> tuple[list[Example], list[Prompt]]:
+    """`n` of `prompts` drawn with `seed` (at most half of them), and `examples` without those prompts."""
+    dev = random.Random(seed).sample(prompts, min(n, len(prompts) // 2))
+    held = {tuple(p.ids) for p in dev}
+    return [e for e in examples if tuple(e[0]) not in held], dev
+
+
+def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: int, tracker: Tracker,
+               dev: list[Prompt] | None = None) -> str:
+    """At most `warmstart.steps` SFT steps on one worker; with `dev` prompts and
+    `warmstart.stop_accuracy`, until their greedy accuracy reaches it. Returns the HF directory
+    `<output_dir>/warmstart`, reused when it is already there. Logs `warmstart/{loss,grad_norm,lr}`
+    every 10 steps (and `warmstart/dev_accuracy` at each measurement) and prints the loss and the
+    mean step time at every tenth of the run."""
     w, target = cfg.warmstart, Path(cfg.trainer.output_dir) / "warmstart"
     if (target / "config.json").is_file():
         print(f"warm-start: reusing {target}")
@@ -150,7 +173,9 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
         data=replace(cfg.data, prompts_per_step=w.batch_size), placement=replace(cfg.placement, workers=1),
         trainer=replace(cfg.trainer, total_steps=w.steps))
     rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them
-    stages = launch(ws_cfg, model_path, reward=False, generates=False)
+    dev = dev or []
+    checks = bool(dev) and w.stop_accuracy > 0  # greedy answers, generated and scored as in validation
+    stages = launch(ws_cfg, model_path, reward=checks, generates=checks)
     run_step: Runner | None = None
     try:
         loss = Supervised(ws_cfg)
@@ -169,6 +194,13 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
                 print(f"warm-start: step {step + 1}/{w.steps}, loss {metrics['sft/loss']:.4f}, "
                       f"{(now - since) / every:.3f} s a step", flush=True)
                 since = now
+            if checks and ((step + 1) % w.check_every == 0 or step == w.steps - 1):
+                accuracy = dev_accuracy(stages, dev, step)
+                tracker.log_metrics({"warmstart/dev_accuracy": accuracy}, step=step)
+                if accuracy >= w.stop_accuracy:
+                    print(f"warm-start: greedy accuracy {accuracy:.3f} on {len(dev)} training prompts held out of "
+                          f"it reached warmstart.stop_accuracy={w.stop_accuracy:g} at step {step + 1}", flush=True)
+                    break
         tmp = target.with_name(target.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         stages.policy.all(Policy.export, str(tmp))
@@ -178,3 +210,10 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
             run_step.close()
         stages.shutdown()
     return str(target)
+
+
+def dev_accuracy(stages: Stages, prompts: list[Prompt], step: int) -> float:
+    """The fraction of `prompts` whose greedy answer scores >= 1, as validation's `accuracy`."""
+    greedy = grpo.rollout(stages.generator, stages.reward, prompts, step, greedy=True)
+    return grpo.summarise("", [s for b in greedy for s in b.data_source], [float(x) for b in greedy for x in b.scores],
+                          [])["accuracy"]

@@ -69,6 +69,8 @@ def test_unknown_key_in_yaml(tmp_path):
      "samples_per_prompt must be >= 2"),
     (["algorithm.advantage=remax", "reward.overlong_buffer=2"], "greedy baseline"),
     ("trainer.val_samples=-1", "must be >= 0"),
+    ("warmstart.stop_accuracy=1.5", "stop_accuracy must be in"),
+    ("warmstart.check_every=0", "check_every >= 1"),
     ("trainer.step_timeout_s=0", "step_timeout_s must be > 0"),
     ("algorithm.name=ppo", "contradicts this run, which is 'grpo'"),
     ("algorithm.name=dpo", "the command sets sft and dpo"),
@@ -182,7 +184,9 @@ def test_an_rl_runs_name_follows_its_settings(overrides, name):
 def test_the_command_sets_the_job(job):
     cfg = load_config(None, [f"algorithm.name={job}"], job=job)
     assert cfg.algorithm.name == job
-    assert load_config(None, [], job=job).warmstart.steps == (0 if job == "sft" else 1800)
+    assert load_config(None, [], job=job).warmstart.steps == (0 if job == "sft" else 4000)
+    assert load_config(None, [], job=job).warmstart.stop_accuracy == 0.3  # the embedded model's
+    assert load_config(None, ["model.path=/some/model"], job=job).warmstart.stop_accuracy == 0
     with pytest.raises(ConfigError, match=f"contradicts this run, which is '{job}'"):
         load_config(None, ["algorithm.name=grpo"], job=job)
     with pytest.raises(ConfigError, match="trains a critic"):

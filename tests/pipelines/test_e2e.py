@@ -346,6 +346,23 @@ def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
         assert metrics["reward/overlong_penalty/mean"][1] <= 0
 
 
+def test_the_warm_start_ends_once_held_out_training_prompts_reach_its_accuracy(tmp_path):
+    """The embedded task's own scorer: a random model answers almost none of 2-digit sums, and a
+    few hundred supervised steps get some right; the warm start stops at its first measurement at
+    or above warmstart.stop_accuracy, well before warmstart.steps."""
+    cmd = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
+           "warmstart.steps=1000", "warmstart.batch_size=32", "warmstart.check_every=100",
+           "warmstart.stop_accuracy=0.01", "trainer.total_steps=1", "trainer.val_every=0"]
+    proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    client, run = only_run(tmp_path)
+    checks = sorted((m.step + 1, m.value) for m in client.get_metric_history(run.info.run_id,
+                                                                             "warmstart/dev_accuracy"))
+    assert checks[-1][0] < 1000 and checks[-1][1] >= 0.01 and all(v < 0.01 for _, v in checks[:-1]), checks
+    assert f"reached warmstart.stop_accuracy=0.01 at step {checks[-1][0]}" in proc.stdout
+    assert [s for s, _ in checks] == list(range(100, checks[-1][0] + 1, 100))
+
+
 def test_remax_with_dynamic_sampling_scores_the_kept_prompts_greedy_answers(tmp_path):
     """The driver generates the rounds, and then the greedy answers of the prompts it kept."""
     rlflow(tmp_path, "out", *ONE_TINY_STEP, "algorithm.dynamic_sampling_tries=3", "rollout.samples_per_prompt=2",

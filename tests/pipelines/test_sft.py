@@ -75,3 +75,19 @@ def test_sft_resumes_and_two_workers_match_one(sft_run, tmp_path):
     for key, values in one.items():
         for step, value in values.items():
             assert two[key][step] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, step)
+
+
+def test_the_warm_starts_dev_prompts_are_held_out_of_its_examples(model_dir, data_files):
+    from transformers import AutoTokenizer
+
+    from engine.data.prompts import load_examples, load_prompts
+    from pipelines.sft import hold_out
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    examples, _ = load_examples([data_files["train"]], tok, 64, 16)
+    prompts, _ = load_prompts([data_files["train"]], tok, 64)
+    kept, dev = hold_out(examples, prompts, 100, seed=0)
+    assert len(dev) == 100 and len(kept) == len(examples) - 100 == 412
+    assert not {tuple(p.ids) for p in dev} & {tuple(e[0]) for e in kept}
+    assert [p.ids for p in hold_out(examples, prompts, 100, seed=0)[1]] == [p.ids for p in dev]  # seeded
+    assert len(hold_out(examples, prompts, 10_000, seed=0)[1]) == 256  # never more than half the prompts
