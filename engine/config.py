@@ -30,8 +30,9 @@ import yaml
 from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
-EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start: at most this many steps ...
-EMBEDDED_WARMSTART_ACCURACY = 0.3  # ... ending once its greedy accuracy on training problems reaches this
+EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL: at most this many steps ...
+EMBEDDED_WARMSTART_ACCURACY = 0.4  # ... ending once its greedy accuracy on training problems reaches this
+EMBEDDED_DPO_WARMSTART_STEPS = 1800  # before DPO, which measures no accuracy: a fixed count
 
 
 @dataclass
@@ -134,10 +135,10 @@ class DPOConfig:
 
 @dataclass
 class WarmstartConfig:
-    steps: int = -1  # supervised steps on the train answers before RL/DPO (at most); 0 skips; -1: 4000 embedded, else 0
+    steps: int = -1  # supervised steps on train answers before RL/DPO (at most); 0 skips; -1: embedded 4000 (DPO 1800)
     lr: float = 1e-3  # the warm start's constant learning rate
     batch_size: int = 32  # examples per warm-start step, on one worker
-    stop_accuracy: float = -1.0  # RL: stop at this greedy accuracy on 256 held-out train prompts; 0 no; -1: .3 embedded
+    stop_accuracy: float = -1.0  # RL: stop at this greedy accuracy on 256 held-out train prompts; 0 no; -1: .4 embedded
     check_every: int = 100  # warm-start steps between two measurements of that accuracy
 
 
@@ -275,10 +276,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                           "command sets sft and dpo (`rlflow sft`, `rlflow dpo`); an RL run's name follows "
                           "algorithm.advantage and actor.policy_loss (advantage gae is ppo)")
     embedded = cfg.model.path == EMBEDDED
+    dpo = job == "dpo"
     if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained; SFT is the training itself
-        cfg.warmstart.steps = EMBEDDED_WARMSTART_STEPS if embedded and job != "sft" else 0
+        cfg.warmstart.steps = 0 if not embedded or job == "sft" else EMBEDDED_DPO_WARMSTART_STEPS if dpo else \
+            EMBEDDED_WARMSTART_STEPS
     if cfg.warmstart.stop_accuracy == -1:  # auto: the embedded task's RL learns most from a weak, not random, start
-        cfg.warmstart.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded else 0.0
+        cfg.warmstart.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded and job == "rl" else 0.0
     validate(cfg)
     return cfg
 

@@ -184,9 +184,8 @@ def test_an_rl_runs_name_follows_its_settings(overrides, name):
 def test_the_command_sets_the_job(job):
     cfg = load_config(None, [f"algorithm.name={job}"], job=job)
     assert cfg.algorithm.name == job
-    assert load_config(None, [], job=job).warmstart.steps == (0 if job == "sft" else 4000)
-    assert load_config(None, [], job=job).warmstart.stop_accuracy == 0.3  # the embedded model's
-    assert load_config(None, ["model.path=/some/model"], job=job).warmstart.stop_accuracy == 0
+    assert load_config(None, [], job=job).warmstart.steps == {"sft": 0, "dpo": 1800}[job]
+    assert load_config(None, [], job=job).warmstart.stop_accuracy == 0  # measured before RL only
     with pytest.raises(ConfigError, match=f"contradicts this run, which is '{job}'"):
         load_config(None, ["algorithm.name=grpo"], job=job)
     with pytest.raises(ConfigError, match="trains a critic"):
@@ -226,3 +225,10 @@ def test_override_keeps_the_name_derived_and_refuses_unknown_keys():
         override(cfg, "type", **{"actor.ppo_epochs": "one"})
     with pytest.raises(ConfigError, match="derived"):
         override(cfg, "rename", **{"algorithm.name": "dpo"})
+
+
+def test_the_embedded_rl_warm_start_stops_on_an_accuracy():
+    cfg = load_config(None, [])
+    assert (cfg.warmstart.steps, cfg.warmstart.stop_accuracy) == (4000, 0.4)
+    cfg = load_config(None, ["model.path=/some/model"])
+    assert (cfg.warmstart.steps, cfg.warmstart.stop_accuracy) == (0, 0)  # a user's model: no warm start

@@ -256,8 +256,10 @@ def test_a_stuck_step_is_abandoned_after_the_step_timeout_and_the_run_finishes(t
     reward = tmp_path / "stalling_reward.py"
     reward.write_text(STALLING_REWARD)
     began = time.time()
+    # no accuracy measured in the warm start, which would call the reward first (and has no restarts)
     proc = rlflow(tmp_path, "out", f"reward.function={reward}:compute_score", "reward.timeout_s=600",
-                  "trainer.step_timeout_s=20", "trainer.max_restarts=1", "trainer.total_steps=3")
+                  "trainer.step_timeout_s=20", "trainer.max_restarts=1", "trainer.total_steps=3",
+                  "warmstart.stop_accuracy=0")
     assert "a worker ran past trainer.step_timeout_s=20" in proc.stdout and "restart 1/1" in proc.stdout
     assert time.time() - began < 250  # abandoned, not waited out
     client, run = only_run(tmp_path)
