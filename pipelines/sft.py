@@ -170,8 +170,8 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
     ws_cfg = replace(
         cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant", sp=1,
                            mini_batch_prompts=w.batch_size, ppo_epochs=1),
-        data=replace(cfg.data, prompts_per_step=w.batch_size), placement=replace(cfg.placement, workers=1),
-        trainer=replace(cfg.trainer, total_steps=w.steps))
+        data=replace(cfg.data, prompts_per_step=w.batch_size), trainer=replace(cfg.trainer, total_steps=w.steps),
+        placement=replace(cfg.placement, workers=1, own_pool=[]), rollout=replace(cfg.rollout, tp=1))  # one process
     rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them
     dev = dev or []
     checks = bool(dev) and w.stop_accuracy > 0  # greedy answers, generated and scored as in validation
