@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoModelForTokenClassification
 
-from engine import algos, checkpoint
+from engine import algos
 from engine.batch import Batch
 from engine.config import Config
 from engine.tensors import to_device
@@ -151,7 +151,4 @@ class Critic:
 
     def load(self, directory: str) -> None:
         d = Path(directory)
-        self.engine.load_full_state_dict(load_file(d / "critic.safetensors"))
-        state = self.engine.state_dict()
-        checkpoint.load_shards(state, d / "critic_trainer")
-        self.engine.load_state_dict(state)
+        self.engine.load(d / "critic.safetensors", d / "critic_trainer")

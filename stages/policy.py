@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
-from engine import algos, checkpoint
+from engine import algos
 from engine.batch import Batch, Update
 from engine.config import Config
 from engine.reshard import WeightBroadcast, push_weights, weight_shapes
@@ -124,10 +124,7 @@ class Policy:
 
     def load(self, directory: str) -> None:
         d = Path(directory)
-        self.engine.load_full_state_dict(load_file(d / "model.safetensors"))
-        state = self.engine.state_dict()
-        checkpoint.load_shards(state, d / "trainer")
-        self.engine.load_state_dict(state)
+        self.engine.load(d / "model.safetensors", d / "trainer")
         own = d / f"worker_{self.rank}.pt"
         if own.exists():  # a checkpoint from fewer ranks has no RNG state for this one
             rng = torch.load(own, weights_only=True)

@@ -36,10 +36,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -57,6 +59,7 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
 from engine import algos
+from engine.checkpoint import load_shards
 from engine.tensors import consecutive_group, fused, to_device
 from engine.train import ulysses, varlen
 
@@ -536,6 +539,14 @@ class TrainEngine:
         self.onload()  # an offloaded optimizer state has no device storage to read
         return {"optimizer": get_optimizer_state_dict(self.root, self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load(self, weights: Path, shards: Path) -> None:
+        """A checkpoint's full weights (a safetensors file) and this rank's optimizer shards (a torch
+        distributed checkpoint, written at any world size); every rank calls."""
+        self.load_full_state_dict(load_file(weights))
+        state = self.state_dict()
+        load_shards(state, shards)
+        self.load_state_dict(state)
 
     def load_state_dict(self, state: dict) -> None:
         self.onload()
