@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from engine.rollout.model import Cut, NativeCausalLM
+from engine.tensors import tcp_store
 
 BUCKET_BYTES = 256 * 2**20  # of rollout-dtype weights per all_to_all
 
@@ -301,7 +302,7 @@ class WeightBroadcast:
         self.rank, self.dtype, self.device = rank, dtype, device
         self.buckets = buckets_of(shapes, dtype.itemsize, bucket_bytes)
         # A group of its own: each pool already has its default group, and dist.new_group cannot span two.
-        self.store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=timeout)
+        self.store = tcp_store(host, port, size, rank, timeout)
         store = dist.PrefixStore("rollout-weights", self.store)
         self.group = _group(store, rank, size, device, timeout)
 

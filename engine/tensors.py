@@ -6,7 +6,9 @@ for `peak_memory`, engine/rollout/vmm.py (which imports no project module).
 
 from __future__ import annotations
 
+import datetime
 import functools
+import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +45,16 @@ def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
         compiled = compiled or torch.compile(fn)
         return compiled(x, *args)
     return call
+
+
+def tcp_store(host: str, port: int, size: int, rank: int, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store of a `size`-rank group at host:port, which rank 0 hosts. Rank 0 listens
+    on `host` alone (loopback on a local cluster, the node's address on a real one): the store
+    torch builds itself would listen on every interface of the machine."""
+    if rank:
+        return torch.distributed.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    fd = socket.create_server((host, port)).detach()  # the store owns the listening socket from here
+    return torch.distributed.TCPStore(host, port, size, is_master=True, timeout=timeout, master_listen_fd=fd)
 
 
 def consecutive_group(size: int) -> Any:

@@ -50,6 +50,22 @@ def quiet_libraries() -> None:
         lambda record: not record.getMessage().startswith(RAY_TOKEN_NOTICE))
 
 
+def loopback_only() -> None:
+    """Keep a Ray cluster that rlflow starts itself (no RAY_ADDRESS) on loopback, before Ray is
+    imported. Ray binds its servers (GCS, raylet, agents, workers) to the node's address, and turns
+    127.0.0.1 into the machine's outward address unless it is told there is no cluster, its switch
+    for laptops; gloo and NCCL open their sockets on the interface named. A user's own setting wins."""
+    if os.environ.get("RAY_ADDRESS"):
+        return
+    import psutil
+
+    lo = next((name for name, addrs in psutil.net_if_addrs().items()
+               if any(a.address == "127.0.0.1" for a in addrs)), "lo")
+    for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": lo,
+                       "NCCL_SOCKET_IFNAME": lo}.items():
+        os.environ.setdefault(key, value)
+
+
 def split_args(args: list[str]) -> list[str]:
     """Drop empty arguments and split one argument holding several `k=v` (MLproject quotes
     `-P overrides="a=1 b=2"` into one word); a lone `key=a b` stays whole."""
@@ -138,9 +154,12 @@ def init_ray(cfg: Config) -> None:
         return
     p = cfg.placement
     needed = p.workers * (1 + len(p.own_pool))
-    # Bound to loopback: nothing rlflow starts listens on other interfaces unless a cluster is given.
+    # Bound to loopback (with `loopback_only`): nothing rlflow starts listens on other interfaces.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False,
              logging_level=logging.WARNING, _node_ip_address="127.0.0.1")
+    if ray.util.get_node_ip_address() != "127.0.0.1":  # Ray was imported before `loopback_only` ran
+        print(f"rlflow: warning: the local Ray cluster listens on {ray.util.get_node_ip_address()}, "
+              "not on loopback only", flush=True)
 
 
 def resumed_run_id(cfg: Config) -> str | None:
@@ -309,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     quiet_libraries()
+    loopback_only()
     if ns.command == "data":
         from engine.data.convert import convert
 

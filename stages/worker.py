@@ -8,11 +8,13 @@ bundle; its typed stage handles (pipelines/runtime.py) reach every stage verb th
 
 from __future__ import annotations
 
-import os
+import datetime
 import socket
 from typing import Any
 
 import torch
+
+from engine.tensors import tcp_store
 
 
 class StageWorker:
@@ -29,15 +31,18 @@ class StageWorker:
         return getattr(self.stages[stage], verb)(*args)
 
     def address(self) -> tuple[str, int]:
-        """This node's address and a free port, for rank 0 to host the process group."""
+        """This node's address and a port free on it, for rank 0 to host a group's store there."""
         import ray
 
+        host = ray.util.get_node_ip_address()
         with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+            s.bind((host, 0))
+            return host, s.getsockname()[1]
 
     def init_process_group(self, host: str, port: int) -> None:
-        """Join the data-parallel group (gloo on CPU, nccl on GPU) of this pool's ranks."""
-        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port))
+        """Join the data-parallel group (gloo on CPU, nccl on GPU) of this pool's ranks, whose
+        store rank 0 hosts at host:port."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, rank=self.rank, world_size=self.world)
+        timeout = datetime.timedelta(minutes=30)
+        torch.distributed.init_process_group(backend, store=tcp_store(host, port, self.world, self.rank, timeout),
+                                             rank=self.rank, world_size=self.world, timeout=timeout)

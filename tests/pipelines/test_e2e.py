@@ -420,3 +420,56 @@ def test_sequence_parallel_training_agrees_with_the_rollout(tmp_path):
     assert [step for step, _ in metrics["actor/pg_loss"]] == [1, 2]
     diff = metrics["training/rollout_probs_diff_max"]
     assert max(v for _, v in diff) < 1e-5, diff
+
+
+def listening(pids: list[int]) -> set[tuple[str, str, int]]:
+    """(process name, address, port) of every TCP socket the processes `pids` listen on."""
+    import psutil
+
+    found = set()
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            found |= {(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections("tcp") if c.status == "LISTEN"}
+        except psutil.Error:  # exited while being listed
+            pass
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    import ipaddress
+
+    ip = ipaddress.ip_address(address.split("%")[0])
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def test_the_self_started_cluster_listens_on_loopback_only(tmp_path):
+    """Every process of a run on the cluster `rlflow train` starts itself (Ray's servers and agents,
+    the stage workers, the compiled graph's proxy, the driver) and every group the stages open (two
+    data-parallel groups and the weight broadcast of a split placement) listens on loopback only."""
+    import psutil
+
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
+            f"reward.function={tmp_path / 'length_reward.py'}:compute_score", "trainer.total_steps=2",
+            "trainer.val_every=0", "placement.workers=2", "placement.own_pool=[rollout]"]
+    run_env = {k: v for k, v in env(tmp_path).items() if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME")}
+    proc = subprocess.Popen(args, env=run_env, cwd=tmp_path, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    seen: set[tuple[str, str, int]] = set()
+    try:
+        while proc.poll() is None:
+            try:
+                tree = [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            seen |= listening(tree)
+            time.sleep(0.3)
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, output[-3000:]
+    names = {name for name, _, _ in seen}
+    assert {"gcs_server", "raylet"} <= names and any("StageWorker" in n for n in names), names  # it looked
+    assert [s for s in seen if not is_loopback(s[1])] == []
