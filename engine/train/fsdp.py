@@ -134,13 +134,18 @@ def balance(loads: list[float], parts: int) -> list[list[int]]:
     return out
 
 
-def all_reduce_sum(value: float) -> float:
+def all_reduce_sums(values: list[float]) -> list[float]:
+    """Each of `values` summed over the default group's ranks, in one all-reduce (float64)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return value
+        return values
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # nccl reduces device tensors only
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return float(t.item())
+    return t.tolist()
+
+
+def all_reduce_sum(value: float) -> float:
+    return all_reduce_sums([value])[0]
 
 
 def step_metrics(stats: dict[str, list]) -> dict[str, float]:

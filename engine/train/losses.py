@@ -37,6 +37,7 @@ from engine.train.fsdp import (
     Policy,
     TrainEngine,
     all_reduce_sum,
+    all_reduce_sums,
     forward_logprobs,
     in_step,
     micro_batches,
@@ -239,11 +240,8 @@ class Preference:
 
     def _means(self, sums: dict[str, float], pairs: int) -> dict[str, float]:
         """Per-pair statistics summed over this rank's `pairs` -> means over every rank's pairs."""
-        t = torch.tensor([*sums.values(), pairs], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized():
-            t = t.to("cuda" if dist.get_backend() == "nccl" else "cpu")
-            dist.all_reduce(t)
-        return {f"dpo/{k}": float(v) for k, v in zip(sums, t[:-1] / t[-1])}
+        *totals, every = all_reduce_sums([*sums.values(), float(pairs)])
+        return {f"dpo/{k}": v / every for k, v in zip(sums, totals)}
 
     def _micro_losses(self, root: Policy, mini: Batch, sums: dict[str, float]) -> list[Micro]:
         ids, attn, pos = mini.sequences()  # [2b, L]
