@@ -29,6 +29,7 @@ ADVANTAGES = (*ADVANTAGE_ESTIMATORS, "gae")  # algorithm.advantage; gae (`gae`) 
 POLICY_LOSSES = ("ppo", "gspo", "cispo")  # actor.policy_loss
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # actor.loss_agg
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "low_var_kl")  # actor.kl_loss_type, algorithm.kl_penalty
+ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")  # algorithm.rollout_correction
 
 
 # ---------------------------------------------------------------- masked statistics
@@ -237,8 +238,10 @@ def policy_loss(
     denom: float | None = None,
     norm_len: int | None = None,
     kind: str = "ppo",
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped policy-gradient loss; ``kind`` is one of ``POLICY_LOSSES``.
+    """Clipped policy-gradient loss; ``kind`` is one of ``POLICY_LOSSES``; ``weights`` [N, T], if
+    given, scale each token's term (``rollout_correction``'s).
 
     - "ppo": the PPO clipped surrogate on per-token ratios in [1 - clip_low, 1 + clip_high],
       with an optional dual clip for negative advantages;
@@ -263,6 +266,8 @@ def policy_loss(
         capped = torch.zeros_like(clipped)
     else:
         loss_mat, clipped, capped = ppo_surrogate(ratio, advantages, clip_low, clip_high, dual_clip)
+    if weights is not None:
+        loss_mat = loss_mat * weights
     loss = agg_loss(loss_mat, mask, agg_mode, denom=denom, norm_len=norm_len)
     metrics = {
         "pg_clipfrac": masked_mean(clipped.to(logp.dtype), mask).detach(),
@@ -270,6 +275,52 @@ def policy_loss(
         "pg_clipfrac_lower": masked_mean(capped.to(logp.dtype), mask).detach(),
     }
     return loss, metrics
+
+
+def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kind: str,
+                       cap: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token weights [N, T] on the policy loss for the gap between the policy that sampled the
+    tokens (the rollout engine's logprobs: another precision, kernels or, running ahead, weight
+    version) and the one the loss's ratio starts from (``old_logp``: the trainer's, before this
+    step's updates), and their metrics. With w = old / rollout, ``kind`` is one of
+    ``ROLLOUT_CORRECTIONS``:
+
+    - "none": 1;
+    - "token_tis": min(w_t, cap), truncated importance sampling per token; with the trainer's
+      pre-update policy as the proximal one, this is decoupled PPO's weight, capped;
+    - "seq_tis": min(prod_t w_t, cap) on every token of a sequence;
+    - "token_mask": 1 where 1/cap <= w_t <= cap, else 0 (the token is left out of the gradient);
+    - "seq_mask": the same on a sequence's geometric mean exp(mean_t log w_t), for all its tokens.
+
+    Metrics (detached): ``mismatch_kl``, KL(rollout || old) estimated on the sampled tokens;
+    ``weight_mean`` and ``weight_max`` of the applied weights; ``corrected_fraction``, the share of
+    tokens capped (tis) or masked to 0 (mask). A masked token still counts in the loss's
+    denominator, as a token with zero gradient.
+    """
+    if kind not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {kind!r}; expected one of {ROLLOUT_CORRECTIONS}")
+    m = mask.to(old_logp.dtype)
+    log_w = (old_logp - rollout_logp).clamp(-20.0, 20.0) * m  # [N, T]
+    if kind.startswith("seq"):
+        seq = log_w.sum(-1, keepdim=True) if kind == "seq_tis" else log_w.sum(-1, keepdim=True) / m.sum(
+            -1, keepdim=True).clamp(min=1)
+        log_w = seq.clamp(-20.0, 20.0).expand_as(log_w)  # [N, T]: the sequence's, on each of its tokens
+    w = torch.exp(log_w)
+    if kind == "none":
+        weights, corrected = torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
+    elif kind.endswith("tis"):
+        weights, corrected = w.clamp(max=cap), w > cap
+    else:
+        corrected = (w < 1.0 / cap) | (w > cap)
+        weights = (~corrected).to(w.dtype)
+    weights = (weights * m).detach()
+    metrics = {
+        "mismatch_kl": masked_mean(rollout_logp - old_logp, m).detach(),
+        "weight_mean": masked_mean(weights, m),
+        "weight_max": weights.max() if weights.numel() else weights.new_zeros(()),
+        "corrected_fraction": masked_mean(corrected.to(w.dtype), m),
+    }
+    return weights, metrics
 
 
 def ppo_surrogate(

@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES
+from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
 EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL: at most this many steps ...
@@ -105,6 +105,8 @@ class AlgorithmConfig:
     kl_target: float = 0.0  # > 0 makes the in-reward KL coefficient adaptive
     kl_horizon: int = 10000  # adaptive: responses over which the coefficient moves by at most 20%
     dynamic_sampling_tries: int = 0  # DAPO: > 0 drops groups with equal rewards, generating up to this many rounds
+    rollout_correction: str = "none"  # none | token_tis | seq_tis | token_mask | seq_mask: the rollout/trainer gap
+    rollout_correction_cap: float = 2.0  # tis: weights capped at this; mask: kept within [1/cap, cap]
 
 
 @dataclass
@@ -338,6 +340,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.policy_loss": POLICY_LOSSES,
     "algorithm.advantage": ADVANTAGES,
     "algorithm.kl_penalty": KL_ESTIMATORS,
+    "algorithm.rollout_correction": ROLLOUT_CORRECTIONS,
     "reward.on_error": ("zero", "raise"),
     "trainer.dag": ("compiled", "plain"),
 }
@@ -360,9 +363,11 @@ def _validate_sp(cfg: Config) -> None:
         return
     if a.pack_sequences or a.share_prompts:
         raise ConfigError("actor.sp > 1 runs padded rows: set actor.pack_sequences=false and actor.share_prompts=false")
-    if job_of(cfg) != "rl" or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo":
+    if job_of(cfg) != "rl" or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo" or \
+            cfg.algorithm.rollout_correction.startswith("seq"):
         raise ConfigError(f"actor.sp > 1 trains RL with a token-level loss; got algorithm.name="
-                          f"{cfg.algorithm.name}, actor.loss_agg={a.loss_agg}, actor.policy_loss={a.policy_loss}")
+                          f"{cfg.algorithm.name}, actor.loss_agg={a.loss_agg}, actor.policy_loss={a.policy_loss}, "
+                          f"algorithm.rollout_correction={cfg.algorithm.rollout_correction}")
 
 
 def validate(cfg: Config) -> None:
@@ -405,6 +410,8 @@ def validate(cfg: Config) -> None:
     if a.dual_clip and (a.dual_clip <= 1 or a.policy_loss == "cispo"):
         raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, and needs a ppo/gspo loss; got {a.dual_clip} "
                           f"with actor.policy_loss={a.policy_loss}")
+    if cfg.algorithm.rollout_correction_cap <= 1:
+        raise ConfigError(f"algorithm.rollout_correction_cap must be > 1, got {cfg.algorithm.rollout_correction_cap}")
     _validate_dapo(cfg)
     _validate_critic(cfg)
     _validate_scoring(cfg)

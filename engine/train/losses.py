@@ -92,6 +92,7 @@ class PolicyGradient:
         self.actor, self.workers = cfg.actor, cfg.placement.workers
         self.temperature, self.max_new_tokens = cfg.rollout.temperature, cfg.rollout.max_new_tokens
         self.warmup = cfg.critic.warmup_steps
+        self.correction, self.cap = cfg.algorithm.rollout_correction, cfg.algorithm.rollout_correction_cap
 
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         """No step, and no metrics, while the critic warms up (its first `critic.warmup_steps` steps)."""
@@ -143,9 +144,17 @@ class PolicyGradient:
             diff = (old.exp() - on(mini.rollout_logprobs).exp()).abs() * mask
             means["training/rollout_probs_diff_mean"] = algos.masked_mean(diff, mask)
             stats.setdefault("training/rollout_probs_diff_max", []).append(_group_max(root, diff.max()))
+        weights = None
+        if self.correction != "none":
+            if not mini.rollout_logprobs.numel():
+                raise RuntimeError("algorithm.rollout_correction needs the rollout engine's logprobs; "
+                                   "this batch has none")
+            weights, c = algos.rollout_correction(old, on(mini.rollout_logprobs), mask, self.correction, self.cap)
+            stats.setdefault("rollout_correction/weight_max", []).append(_group_max(root, c.pop("weight_max")))
+            means.update({f"rollout_correction/{k}": v for k, v in c.items()})
         norm_len = self.max_new_tokens
-        loss, m = algos.policy_loss(logp, old, on(mini.advantages), mask, a.clip_low,
-                                    a.clip_high, a.dual_clip or None, a.loss_agg, denom, norm_len, a.policy_loss)
+        loss, m = algos.policy_loss(logp, old, on(mini.advantages), mask, a.clip_low, a.clip_high,
+                                    a.dual_clip or None, a.loss_agg, denom, norm_len, a.policy_loss, weights)
         means["actor/entropy"] = algos.masked_mean(entropy.detach(), mask)
         if a.entropy_coef:
             loss = loss - a.entropy_coef * algos.agg_loss(entropy, mask, a.loss_agg, denom, norm_len)

@@ -14,6 +14,7 @@ from engine.algos import (
     KL_ESTIMATORS,
     LOSS_AGGS,
     POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
     AdaptiveKLController,
     FixedKLController,
     agg_loss,
@@ -33,6 +34,7 @@ from engine.algos import (
     pass_at_k,
     policy_loss,
     reinforce_pp_returns,
+    rollout_correction,
     token_logprobs,
     value_loss,
     varied_groups,
@@ -573,3 +575,55 @@ def test_every_kl_estimator_is_known(kind: str) -> None:
     # low_var_kl is verl's name for the clamped k3, so the two agree; every other value differs from k3
     kl, k3 = kl_penalty(R_LOGP, R_OLD, kind), kl_penalty(R_LOGP, R_OLD, "k3")
     assert torch.allclose(kl, k3) == (kind in ("k3", "low_var_kl"))
+
+
+# Rollout correction: the trainer's pre-update logprobs (old) against the rollout engine's.
+OLD = torch.log(torch.tensor([[0.5, 0.2, 0.4], [0.3, 0.3, 0.9]]))
+ROLLOUT = torch.log(torch.tensor([[0.2, 0.3, 0.1], [0.3, 0.2, 0.9]]))  # w = old/rollout: [2.5, 2/3, 4], [1, 1.5, 1]
+MASK3 = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # the first row's 4 is padding
+
+
+def test_token_tis_caps_each_tokens_weight():
+    w, m = rollout_correction(OLD, ROLLOUT, MASK3, "token_tis", 2.0)
+    close(w, [[2.0, 2 / 3, 0.0], [1.0, 1.5, 1.0]])
+    close(m["corrected_fraction"], 1 / 5)  # the 2.5, capped; the padded 4 is not counted
+    close(m["weight_max"], 2.0)
+    close(m["mismatch_kl"], float((ROLLOUT - OLD)[MASK3.bool()].mean()))
+
+
+def test_seq_tis_weighs_every_token_by_its_sequences_ratio():
+    w, _ = rollout_correction(OLD, ROLLOUT, MASK3, "seq_tis", 10.0)
+    close(w, [[2.5 * 2 / 3] * 2 + [0.0], [1.5] * 3])  # products over each row's real tokens
+    w, _ = rollout_correction(OLD, ROLLOUT, MASK3, "seq_tis", 1.2)
+    close(w, [[1.2, 1.2, 0.0], [1.2] * 3])
+
+
+def test_token_mask_drops_tokens_outside_the_band():
+    w, m = rollout_correction(OLD, ROLLOUT, MASK3, "token_mask", 2.0)
+    close(w, [[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    close(m["corrected_fraction"], 1 / 5)
+
+
+def test_seq_mask_drops_whole_sequences_by_their_geometric_mean():
+    # row 0: geometric mean sqrt(2.5 * 2/3) = 1.29; row 1: 1.5 ** (1/3) = 1.14
+    w, _ = rollout_correction(OLD, ROLLOUT, MASK3, "seq_mask", 1.2)
+    close(w, [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    w, _ = rollout_correction(OLD, ROLLOUT, MASK3, "seq_mask", 1.3)
+    close(w, [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+
+
+def test_no_correction_weighs_one_and_equal_policies_change_nothing():
+    w, m = rollout_correction(OLD, ROLLOUT, MASK3, "none", 2.0)
+    close(w, MASK3.tolist())
+    for kind in ROLLOUT_CORRECTIONS:
+        w, m = rollout_correction(OLD, OLD, MASK3, kind, 2.0)
+        close(w, MASK3.tolist())
+        close(m["mismatch_kl"], 0.0)
+
+
+@pytest.mark.parametrize("kind", [k for k in ROLLOUT_CORRECTIONS if k != AlgorithmConfig().rollout_correction])
+def test_every_rollout_correction_value_changes_the_loss(kind: str) -> None:
+    rollout = R_OLD + 1.5 * torch.randn(N, T, generator=torch.Generator().manual_seed(1))
+    weights, _ = rollout_correction(R_OLD, rollout, R_MASK, kind, AlgorithmConfig().rollout_correction_cap)
+    loss, _ = policy_loss(R_LOGP, R_OLD, R_ADV, R_MASK, norm_len=T, weights=weights)
+    assert not torch.allclose(loss, loss_for())

@@ -179,6 +179,42 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
     assert results[0][1] < 1e-4  # trainer and rollout agree (fp32)
 
 
+
+def test_rollout_correction_reweighs_the_update(model_dir, data_files, tmp_path):
+    """With the rollout engine's logprobs those of the trainer (fp32 on the CPU), truncated
+    importance sampling leaves the update as it is; with the engine's made lower on the first half
+    of every response, those tokens weigh the cap, the loss moves and the metrics say so."""
+    from dataclasses import replace
+
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score", "data.prompts_per_step=8",
+                             "actor.mini_batch_prompts=8", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+                             "data.max_prompt_tokens=16", "actor.grad_clip=1e9"])
+    actor, reward = HybridPolicy(cfg, str(model_dir)), Reward(cfg)
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
+    batch = Advantage(cfg).estimate(actor.logprobs(reward.score(actor.generate(RolloutRequest(prompts[:8], step=0)))))
+    start = {k: v.clone() for k, v in actor.engine.model.state_dict().items()}
+    tis = replace(cfg, algorithm=replace(cfg.algorithm, rollout_correction="token_tis"))
+    moved = batch.rows(slice(None))
+    first_half = torch.arange(moved.response_ids.shape[1]) < moved.response_mask.sum(1, keepdim=True) / 2
+    moved.rollout_logprobs = moved.rollout_logprobs - first_half.float()  # w = e on those tokens: capped at 2
+
+    def update(c, b):
+        actor.engine.model.load_state_dict(start)
+        actor.weight_version = b.weight_version  # rewound by hand to the weights that generated the batch
+        return actor.update(b.rows(slice(None)), PolicyGradient(c)).metrics
+
+    plain, same, reweighed = update(cfg, batch), update(tis, batch), update(tis, moved)
+    assert "rollout_correction/weight_mean" not in plain
+    assert same["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], rel=1e-4, abs=1e-7)
+    assert same["rollout_correction/corrected_fraction"] == 0
+    assert abs(same["rollout_correction/mismatch_kl"]) < 1e-5
+    capped = float((first_half * batch.response_mask).sum() / batch.response_mask.sum())
+    assert reweighed["rollout_correction/corrected_fraction"] == pytest.approx(capped, rel=1e-4)
+    assert reweighed["rollout_correction/weight_max"] == pytest.approx(2.0)
+    assert reweighed["rollout_correction/mismatch_kl"] < -0.1  # the engine's logprobs are lower
+    assert reweighed["actor/pg_loss"] != pytest.approx(plain["actor/pg_loss"], rel=1e-3)
+
 def dpo_batch(actor, ref, n: int):
     """n embedded-style pairs with answers of different lengths, carrying reference logprobs."""
     from engine.data import task
