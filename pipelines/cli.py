@@ -54,7 +54,8 @@ def loopback_only() -> None:
     """Keep a Ray cluster that rlflow starts itself (no RAY_ADDRESS) on loopback, before Ray is
     imported. Ray binds its servers (GCS, raylet, agents, workers) to the node's address, and turns
     127.0.0.1 into the machine's outward address unless it is told there is no cluster, its switch
-    for laptops; gloo and NCCL open their sockets on the interface named. A user's own setting wins."""
+    for laptops; gloo and NCCL open their sockets on the interface named, and vLLM's engine its
+    own group's store at VLLM_HOST_IP. A user's own setting wins."""
     if os.environ.get("RAY_ADDRESS"):
         return
     import psutil
@@ -62,7 +63,7 @@ def loopback_only() -> None:
     lo = next((name for name, addrs in psutil.net_if_addrs().items()
                if any(a.address == "127.0.0.1" for a in addrs)), "lo")
     for key, value in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GLOO_SOCKET_IFNAME": lo,
-                       "NCCL_SOCKET_IFNAME": lo}.items():
+                       "NCCL_SOCKET_IFNAME": lo, "VLLM_HOST_IP": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
 
 
