@@ -292,7 +292,9 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kin
     - "token_mask": 1 where 1/cap <= w_t <= cap, else 0 (the token is left out of the gradient);
     - "seq_mask": the same on a sequence's geometric mean exp(mean_t log w_t), for all its tokens.
 
-    Metrics (detached): ``mismatch_kl``, KL(rollout || old) estimated on the sampled tokens;
+    Metrics (detached): ``mismatch_kl``, KL(rollout || old) estimated on the sampled tokens with
+    the k3 estimator (w - 1 - log w, unbiased and never negative, where the plain mean of
+    log(rollout / old) dips below 0 on a small gap);
     ``weight_mean`` and ``weight_max`` of the applied weights; ``corrected_fraction``, the share of
     tokens capped (tis) or masked to 0 (mask). A masked token still counts in the loss's
     denominator, as a token with zero gradient.
@@ -300,7 +302,7 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kin
     if kind not in ROLLOUT_CORRECTIONS:
         raise ValueError(f"unknown rollout correction {kind!r}; expected one of {ROLLOUT_CORRECTIONS}")
     m = mask.to(old_logp.dtype)
-    log_w = (old_logp - rollout_logp).clamp(-20.0, 20.0) * m  # [N, T]
+    log_w = log_w_token = (old_logp - rollout_logp).clamp(-20.0, 20.0) * m  # [N, T]
     if kind.startswith("seq"):
         seq = log_w.sum(-1, keepdim=True) if kind == "seq_tis" else log_w.sum(-1, keepdim=True) / m.sum(
             -1, keepdim=True).clamp(min=1)
@@ -315,7 +317,7 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kin
         weights = (~corrected).to(w.dtype)
     weights = (weights * m).detach()
     metrics = {
-        "mismatch_kl": masked_mean(rollout_logp - old_logp, m).detach(),
+        "mismatch_kl": masked_mean(torch.expm1(log_w_token) - log_w_token, m).detach(),
         "weight_mean": masked_mean(weights, m),
         "weight_max": weights.max() if weights.numel() else weights.new_zeros(()),
         "corrected_fraction": masked_mean(corrected.to(w.dtype), m),

@@ -60,7 +60,7 @@ class RolloutConfig:
     top_p: float = 1.0  # sample from the smallest token set holding this much probability; 1 disables
     top_k: int = 0  # 0 disables top-k
     stop_strings: list[str] = field(default_factory=list)  # eos always stops
-    dtype: str = "float32"  # generation dtype; must equal model.dtype so rollout and training logprobs agree
+    dtype: str = "float32"  # generation dtype; model.dtype's unless algorithm.rollout_correction corrects the gap
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
     free_cache: bool = False  # release the rollout's KV cache and weights while training (native: CUDA graphs kept)
     tp: int = 1  # native: tensor-parallel size of generation; groups of tp consecutive workers share their prompts
@@ -398,9 +398,9 @@ def validate(cfg: Config) -> None:
     if a.micro_batch_tokens_per_gpu < longest:
         raise ConfigError(f"actor.micro_batch_tokens_per_gpu={a.micro_batch_tokens_per_gpu} cannot hold one "
                           f"sequence of max_prompt_tokens + max_new_tokens = {longest}")
-    if r.dtype != cfg.model.dtype:
-        raise ConfigError(f"rollout.dtype={r.dtype} differs from model.dtype={cfg.model.dtype}: rollout "
-                          "logprobs would not match training logprobs")
+    if r.dtype != cfg.model.dtype and cfg.algorithm.rollout_correction == "none":
+        raise ConfigError(f"rollout.dtype={r.dtype} differs from model.dtype={cfg.model.dtype}: rollout logprobs "
+                          "would not match training logprobs; set algorithm.rollout_correction to correct for it")
     if not 0 < r.top_p <= 1 or r.temperature < 0 or r.top_k < 0:
         raise ConfigError("rollout needs 0 < top_p <= 1, temperature >= 0, top_k >= 0")
     if r.tp < 1 or p.workers % r.tp or (r.tp > 1 and r.backend != "native"):

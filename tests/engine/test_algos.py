@@ -588,7 +588,8 @@ def test_token_tis_caps_each_tokens_weight():
     close(w, [[2.0, 2 / 3, 0.0], [1.0, 1.5, 1.0]])
     close(m["corrected_fraction"], 1 / 5)  # the 2.5, capped; the padded 4 is not counted
     close(m["weight_max"], 2.0)
-    close(m["mismatch_kl"], float((ROLLOUT - OLD)[MASK3.bool()].mean()))
+    log_w = (OLD - ROLLOUT)[MASK3.bool()]
+    close(m["mismatch_kl"], float((log_w.exp() - 1 - log_w).mean()))  # k3: w - 1 - log w
 
 
 def test_seq_tis_weighs_every_token_by_its_sequences_ratio():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.batch import RolloutRequest
-from engine.config import load_config
+from engine.config import ConfigError, load_config
 from engine.data.prompts import load_prompts
 from engine.train.fsdp import response_logprobs
 from engine.train.losses import PolicyGradient, Preference, Supervised
@@ -212,8 +212,27 @@ def test_rollout_correction_reweighs_the_update(model_dir, data_files, tmp_path)
     capped = float((first_half * batch.response_mask).sum() / batch.response_mask.sum())
     assert reweighed["rollout_correction/corrected_fraction"] == pytest.approx(capped, rel=1e-4)
     assert reweighed["rollout_correction/weight_max"] == pytest.approx(2.0)
-    assert reweighed["rollout_correction/mismatch_kl"] < -0.1  # the engine's logprobs are lower
+    assert reweighed["rollout_correction/mismatch_kl"] > 0.1  # w = e on about half the tokens: k3 = e - 2 there
     assert reweighed["actor/pg_loss"] != pytest.approx(plain["actor/pg_loss"], rel=1e-3)
+
+
+def test_a_bf16_rollout_trains_an_fp32_policy_with_the_gap_corrected(model_dir, data_files):
+    """rollout.dtype may differ from model.dtype once a correction is on: the engine samples in
+    bf16, the trainer scores in fp32, and the gap that opens is measured and weighed."""
+    with pytest.raises(ConfigError, match="set algorithm.rollout_correction"):
+        load_config(None, ["rollout.dtype=bfloat16"])
+    cfg = load_config(None, ["rollout.dtype=bfloat16", "algorithm.rollout_correction=token_tis",
+                             "data.prompts_per_step=8", "actor.mini_batch_prompts=8", "rollout.samples_per_prompt=2"])
+    actor, reward = HybridPolicy(cfg, str(model_dir)), Reward(cfg)
+    assert next(actor.engine.model.parameters()).dtype == torch.float32
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
+    batch = Advantage(cfg).estimate(actor.logprobs(reward.score(actor.generate(RolloutRequest(prompts[:8], step=0)))))
+    assert batch.rollout_logprobs.dtype == torch.float32
+    metrics = actor.update(batch, PolicyGradient(cfg)).metrics
+    assert 1e-5 < metrics["training/rollout_probs_diff_max"] < 0.05  # bf16's rounding: real, and small
+    assert 0 < metrics["rollout_correction/mismatch_kl"] < 1e-3
+    assert metrics["rollout_correction/weight_mean"] == pytest.approx(1.0, abs=0.01)
+    assert math.isfinite(metrics["actor/pg_loss"])
 
 def dpo_batch(actor, ref, n: int):
     """n embedded-style pairs with answers of different lengths, carrying reference logprobs."""
