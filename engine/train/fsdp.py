@@ -64,6 +64,7 @@ from engine.tensors import consecutive_group, fused, to_device
 from engine.train import ulysses, varlen
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FLEX_BLOCK = 128  # flex attention's default block size (create_block_mask's BLOCK_SIZE)
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
 
 
@@ -179,9 +180,12 @@ def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions
     width = valid.shape[1]
     if share:
         tokens, pos, group, row, at = shared_prompt_row(ids, mask, positions, valid)
+        flex = model.config._attn_implementation == "flex_attention"
+        if flex:
+            tokens, pos, group, row = pad_to_blocks(tokens, pos, group, row)
         out = model.base_model(input_ids=to_device(tokens[None], device), position_ids=to_device(pos[None], device),
                                attention_mask=shared_prompt_mask(to_device(group, device), to_device(row, device),
-                                                                 model.config._attn_implementation == "flex_attention"),
+                                                                 flex),
                                use_cache=False)
         return out.last_hidden_state[0, to_device(at, device)]
     if not pack:
@@ -234,6 +238,18 @@ def shared_prompt_row(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Te
             at.append(torch.tensor([last[g], *range(start, size - 1)]))
     return (torch.cat(tokens), torch.cat(pos), torch.cat(group), torch.cat(row),
             torch.cat(at) if at else torch.zeros(0, dtype=torch.long))
+
+
+def pad_to_blocks(tokens: torch.Tensor, pos: torch.Tensor, group: torch.Tensor, row: torch.Tensor,
+                  block: int = FLEX_BLOCK) -> tuple[torch.Tensor, ...]:
+    """`shared_prompt_row`'s row padded to a whole number of flex attention's blocks. The padding
+    is a group of its own (-1): it sees only itself, and no real token sees it. Unpadded, the last
+    block's mask is evaluated past the row's end, and on CUDA the update stalled on such rows."""
+    extra = -len(tokens) % block
+    if not extra:
+        return tokens, pos, group, row
+    return (torch.cat([tokens, tokens.new_zeros(extra)]), torch.cat([pos, pos.new_zeros(extra)]),
+            torch.cat([group, group.new_full((extra,), -1)]), torch.cat([row, row.new_full((extra,), -1)]))
 
 
 def shared_prompt_mask(group: torch.Tensor, row: torch.Tensor, flex: bool) -> BlockMask | torch.Tensor:

@@ -14,6 +14,9 @@ from engine.train.fsdp import (
     forward_logprobs,
     lr_lambda,
     micro_batches,
+    pad_to_blocks,
+    shared_prompt_mask,
+    shared_prompt_row,
     step_metrics,
 )
 
@@ -87,12 +90,17 @@ def grouped_batch(prompt_lens, samples, response_lens):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU")])])
-def test_shared_prompts_match_separate_sequences_values_and_gradients(model_dir, device):
+@pytest.mark.parametrize("prompts,responses", [
+    ([4, 7, 4], [5, 2, 9, 4, 1, 6, 3, 8, 2]),  # within one 128-token block; the last prompt is the first's
+    ([140, 70, 233], [130, 25, 341, 17, 250, 2, 95, 128, 19]),  # 1,418 tokens: eleven blocks and a partial one
+], ids=["one-block", "mixed-lengths"])
+def test_shared_prompts_match_separate_sequences_values_and_gradients(model_dir, device, prompts, responses):
     """The CPU runs the shared row under SDPA with a dense mask, CUDA under flex attention's block
     mask (the layers in float32 on both, for a tight comparison)."""
-    # three groups of 3 samples, the last group's prompt equal to the first's (a prompt drawn twice)
-    ids, mask, pos, responses = grouped_batch([4, 7, 4], 3, [5, 2, 9, 4, 1, 6, 3, 8, 2])
-    ids[6:, :ids.shape[1] - responses.shape[1]] = ids[0, :ids.shape[1] - responses.shape[1]]
+    # three groups of 3 samples; in the first case the last group's prompt is the first's (a prompt drawn twice)
+    ids, mask, pos, responses = grouped_batch(prompts, 3, responses)
+    if prompts[0] == prompts[-1]:
+        ids[6:, :ids.shape[1] - responses.shape[1]] = ids[0, :ids.shape[1] - responses.shape[1]]
     engine = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", device, share_prompts=True)
     grads, values = [], []
     for share in (True, False):
@@ -124,6 +132,17 @@ def test_shared_prompt_block_mask_gives_the_dense_masks_values(model_dir, prompt
         with torch.no_grad():
             out.append(forward_logprobs(model, ids, mask, pos, responses, 0.7, False, share=True))
     torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-6)
+
+
+def test_a_shared_row_under_flex_attention_fills_whole_blocks_that_no_token_sees():
+    ids, mask, pos, responses = grouped_batch([40, 70, 33], 3, [30, 25, 41, 17, 50, 22, 35, 28, 19])
+    tokens, positions, group, row, _ = shared_prompt_row(ids, mask, pos, mask[:, -responses.shape[1]:].bool())
+    padded = pad_to_blocks(tokens, positions, group, row)
+    assert len(tokens) == 410 and all(len(x) == 512 for x in padded)
+    assert all(torch.equal(a[:410], b) for a, b in zip(padded, (tokens, positions, group, row)))
+    seen = shared_prompt_mask(padded[2], padded[3], flex=False)[0, 0]
+    assert not seen[:410, 410:].any() and not seen[410:, :410].any()  # the padding and the row never meet
+    assert seen.any(1).all()  # every query sees something (itself, at least): no empty softmax
 
 
 def test_shared_prompt_micro_batches_count_each_prompt_once():
