@@ -7,16 +7,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-import mlflow
+from mlflow.tracking import MlflowClient
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def logged(uri: str, loss: list[float]) -> str:
-    mlflow.set_tracking_uri(uri)
-    with mlflow.start_run() as run:
-        for step, value in enumerate(loss):
-            mlflow.log_metrics({"actor/pg_loss": value, "timing_s/step": 0.1 * step + len(uri)}, step=step)
+    """A run in the store at `uri`, through a client of its own: setting the process's tracking URI
+    would outlive this test and redirect later tests' registry lookups."""
+    client = MlflowClient(uri)
+    run = client.create_run(client.create_experiment("compare"))
+    for step, value in enumerate(loss):
+        client.log_metric(run.info.run_id, "actor/pg_loss", value, step=step)
+        client.log_metric(run.info.run_id, "timing_s/step", 0.1 * step + len(uri), step=step)
+    client.set_terminated(run.info.run_id)
     return run.info.run_id
 
 
