@@ -22,14 +22,12 @@ import math
 import random
 from pathlib import Path
 
-from shapes import QWEN25  # bench/ is sys.path[0] when run as a script
+from shapes import QWEN25, TINY  # bench/ is sys.path[0] when run as a script
 
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz .,?+-*/=#$%"  # 48, plus pad, eos and unk: 51 tokens
 WORDS = ("she", "he", "buys", "sells", "has", "gives", "each", "more", "than", "apples", "books", "cents",
          "boxes", "every", "day", "week", "how", "many", "does", "left", "after", "twice", "half", "of",
          "the", "a", "and", "in", "total", "costs", "$", "pays", "for")
-TINY = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True)
 
 
 def prompt_text(rng: random.Random, length: int) -> tuple[str, int]:

@@ -244,7 +244,7 @@ def pad_to_blocks(tokens: torch.Tensor, pos: torch.Tensor, group: torch.Tensor, 
                   block: int = FLEX_BLOCK) -> tuple[torch.Tensor, ...]:
     """`shared_prompt_row`'s row padded to a whole number of flex attention's blocks. The padding
     is a group of its own (-1): it sees only itself, and no real token sees it. Unpadded, the last
-    block's mask is evaluated past the row's end, and on CUDA the update stalled on such rows."""
+    block's mask would be evaluated past the row's end, beyond `group` and `row`."""
     extra = -len(tokens) % block
     if not extra:
         return tokens, pos, group, row
