@@ -449,6 +449,9 @@ class FixedKLController:
         """No-op: the coefficient never changes."""
 
 
+KL_HORIZON = 10000  # adaptive KL: responses over which the coefficient moves by at most 20% (Ziegler et al.)
+
+
 @dataclass
 class AdaptiveKLController:
     """Proportional controller steering the observed KL towards ``target`` (Ziegler et al., 2019)."""

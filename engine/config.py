@@ -91,6 +91,9 @@ class ActorConfig:
     activation_checkpointing: bool = False  # recompute decoder layers in backward (critic too)
     compile_layers: bool = False  # decoder layers through torch.compile; the first steps compile (critic too)
     sp: int = 1  # Ulysses sequence parallel size: groups of sp workers train on slices of the same rows
+    lora_rank: int = 0  # > 0 trains LoRA adapters of this rank (PEFT) on a frozen base, its own reference; 0 = off
+    lora_alpha: int = 32  # LoRA scale: adapters' product times lora_alpha / lora_rank
+    lora_targets: list[str] = field(default_factory=lambda: ["all-linear"])  # module names; all-linear: decoder's
 
 
 @dataclass
@@ -103,7 +106,6 @@ class AlgorithmConfig:
     kl_coef: float = 0.001  # that KL's coefficient (the starting one when kl_target > 0)
     kl_penalty: str = "k1"  # that KL's estimator, as actor.kl_loss_type
     kl_target: float = 0.0  # > 0 makes the in-reward KL coefficient adaptive
-    kl_horizon: int = 10000  # adaptive: responses over which the coefficient moves by at most 20%
     dynamic_sampling_tries: int = 0  # DAPO: > 0 drops groups with equal rewards, generating up to this many rounds
     rollout_correction: str = "none"  # none | token_tis | seq_tis | token_mask | seq_mask: the rollout/trainer gap
     rollout_correction_cap: float = 2.0  # tis: weights capped at this; mask: kept within [1/cap, cap]
@@ -141,7 +143,6 @@ class WarmstartConfig:
     lr: float = 1e-3  # the warm start's constant learning rate
     batch_size: int = 32  # examples per warm-start step, on one worker
     stop_accuracy: float = -1.0  # RL: stop at this greedy accuracy on 256 held-out train prompts; 0 no; -1: .4 embedded
-    check_every: int = 100  # warm-start steps between two measurements of that accuracy
 
 
 @dataclass
@@ -428,10 +429,13 @@ def validate(cfg: Config) -> None:
     if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
         raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
     w = cfg.warmstart
-    if not (0 <= w.stop_accuracy <= 1 or w.stop_accuracy == -1) or w.check_every < 1:
-        raise ConfigError("warmstart.stop_accuracy must be in [0, 1] (or -1: auto), warmstart.check_every >= 1")
+    if not (0 <= w.stop_accuracy <= 1 or w.stop_accuracy == -1):
+        raise ConfigError("warmstart.stop_accuracy must be in [0, 1] (or -1: auto)")
     if cfg.trainer.step_timeout_s <= 0:
         raise ConfigError(f"trainer.step_timeout_s must be > 0, got {cfg.trainer.step_timeout_s}")
+    if a.lora_rank < 0 or a.lora_alpha <= 0 or not a.lora_targets:
+        raise ConfigError(f"actor.lora_rank must be >= 0 (0: full weights), actor.lora_alpha > 0 and "
+                          f"actor.lora_targets non-empty; got {a.lora_rank}, {a.lora_alpha}, {a.lora_targets}")
 
 
 def _validate_critic(cfg: Config) -> None:

@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 
 from engine.rollout.model import Cut, NativeCausalLM
 from engine.tensors import tcp_store
+from engine.train import lora
 
 BUCKET_BYTES = 256 * 2**20  # of rollout-dtype weights per all_to_all
 
@@ -247,22 +248,34 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 def weight_sync(trainer: torch.nn.Module, rollout: Any) -> Callable[[], None]:
     """The one way the pipeline refreshes a rollout engine from the trainer (all ranks call it
-    together): planned resharding for the native engine, full tensors for any other backend."""
+    together): planned resharding for the native engine, full tensors for any other backend and
+    for a LoRA trainer (merged weights, which the trainer never holds as parameters)."""
     model = getattr(rollout, "model", None)
-    if isinstance(model, NativeCausalLM):
+    if isinstance(model, NativeCausalLM) and not lora.has_adapters(trainer):
         return Resharder(trainer, model)
     return lambda: rollout.load_weights(full_tensors(trainer))
 
 
+def full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor: an FSDP2 shard all-gathered (collective), else itself."""
+    return p.full_tensor() if isinstance(p, DTensor) else p.detach()
+
+
 def full_tensors(trainer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of every trainer parameter, one at a time: an FSDP2 shard is
-    all-gathered when its turn comes (every rank must iterate in step)."""
+    """(HF name, full tensor) of every weight of the trainer's model, one at a time: an FSDP2 shard
+    is all-gathered when its turn comes (every rank must iterate in step). With LoRA adapters,
+    those of the merged model (`lora.merged`)."""
+    if lora.has_adapters(trainer):
+        yield from lora.merged(trainer, full)
+        return
     for name, p in trainer.named_parameters():
-        yield name, (p.full_tensor() if isinstance(p, DTensor) else p.detach())
+        yield name, full(p)
 
 
 def weight_shapes(trainer: torch.nn.Module) -> list[tuple[str, list[int]]]:
-    """(HF name, full shape) of every trainer parameter, in `full_tensors` order: the plan of a push."""
+    """(HF name, full shape) of every tensor `full_tensors` gives, in its order: the plan of a push."""
+    if lora.has_adapters(trainer):
+        return lora.merged_shapes(trainer)
     return [(name, list(p.shape)) for name, p in trainer.named_parameters()]
 
 

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -163,6 +165,33 @@ def init_ray(cfg: Config) -> None:
               "not on loopback only", flush=True)
 
 
+def check_lora(cfg: Config, model_path: str) -> None:
+    """LoRA settings the model cannot take, and a checkpoint to resume whose weights are of the
+    other kind (adapters for a full-weight run, or the reverse, or another rank): one line each,
+    before any worker starts. The model is built on the meta device, without its weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.train import lora
+
+    a = cfg.actor
+    if a.lora_rank:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        try:
+            lora.add_adapters(model, lora.lora_config(a.lora_rank, a.lora_alpha, a.lora_targets))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    try:
+        found = checkpoint.find_resume(Path(cfg.trainer.output_dir) / "checkpoints", cfg.trainer.resume)
+    except FileNotFoundError:
+        return
+    if found and lora.adapter_rank(found) != a.lora_rank:
+        have = f"LoRA adapters of rank {lora.adapter_rank(found)}" if lora.adapter_rank(found) else "full weights"
+        raise ConfigError(f"the checkpoint to resume, {found}, holds {have}, but actor.lora_rank={a.lora_rank}: "
+                          "resume with the setting it was trained with, or start a new trainer.output_dir")
+
+
 def resumed_run_id(cfg: Config) -> str | None:
     """The MLflow run of the checkpoint `trainer.resume` will pick, so metrics continue there."""
     try:
@@ -195,6 +224,7 @@ def train(cfg: Config) -> dict[str, str]:
 
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_path, files = resolve_inputs(cfg)
+    check_lora(cfg, model_path)
     previous = resumed_run_id(cfg)
     if previous and "MLFLOW_RUN_ID" not in os.environ:
         os.environ["MLFLOW_RUN_ID"] = previous
@@ -251,12 +281,25 @@ def find_model(source: str) -> Path:
 
 
 def export(source: str, dest: str) -> Path:
-    """A checkpoint (or the newest complete one under a run's output_dir) as a HF directory."""
+    """A checkpoint (or the newest complete one under a run's output_dir) as a HF directory. A LoRA
+    checkpoint's is the merged model, with the PEFT adapter in `adapter/` (as a run's final export)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from engine.train import lora
+
     path = find_model(source)
-    AutoModelForCausalLM.from_pretrained(path).save_pretrained(dest)
-    AutoTokenizer.from_pretrained(path).save_pretrained(dest)
+    if lora.adapter_rank(path):
+        from peft import PeftModel
+
+        adapter = path / lora.ADAPTER_DIR
+        base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload() \
+            .save_pretrained(dest)
+        shutil.copytree(adapter, Path(dest) / lora.ADAPTER_DIR, dirs_exist_ok=True)
+        AutoTokenizer.from_pretrained(base).save_pretrained(dest)
+    else:
+        AutoModelForCausalLM.from_pretrained(path).save_pretrained(dest)
+        AutoTokenizer.from_pretrained(path).save_pretrained(dest)
     print(f"rlflow: exported {path} to {dest}")
     return path
 
@@ -266,6 +309,9 @@ def run_eval(source: str, cfg: Config) -> dict[str, float]:
     from pipelines.eval import evaluate
 
     model_dir = find_model(source)
+    if not (model_dir / "config.json").is_file():  # a LoRA checkpoint: adapters without their base
+        raise ConfigError(f"{model_dir} holds LoRA adapters, not a model: `rlflow export {source} DEST` merges "
+                          "them into one, which `rlflow eval DEST` scores")
     files = resolve_files(cfg)["val"]
     tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or f"eval {model_dir.name}",
                       tags={"job": "eval", "model": str(model_dir.resolve()), "git_commit": git_commit(),
@@ -357,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if ns.command == "eval":
         try:
-            run_eval(ns.source, cfg)
+                run_eval(ns.source, cfg)
+        except ConfigError as e:
+            print(f"rlflow: config error: {e}", file=sys.stderr)
+            return 2
         except FileNotFoundError as e:
             print(f"rlflow: {e}", file=sys.stderr)
             return 2
@@ -365,7 +414,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "config":
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError as e:  # found once the inputs are read (LoRA against the model, the checkpoint to resume)
+        print(f"rlflow: config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -47,10 +47,10 @@ from stages.reference import Reference
 def step_graph(stages: Stages, inputs: list[Any], loss: Preference, held_out: bool = False) -> tuple[list[Any],
                                                                                                    list[Any]]:
     """One chain per rank: the DPO loss's optimizer steps, or with `held_out` its value without a step."""
-    assert stages.reference is not None
     outputs = []
     for rank, batch in enumerate(inputs):
-        batch = stages.reference.at(rank, Reference.logprobs, batch)  # the frozen anchor
+        if stages.reference is not None:  # else LoRA: the policy's base, adapters off, is the anchor
+            batch = stages.reference.at(rank, Reference.logprobs, batch)  # the frozen anchor
         if held_out:
             outputs.append(stages.policy.at(rank, Policy.evaluate, batch, loss))
         else:

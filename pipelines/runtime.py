@@ -239,7 +239,7 @@ def launch(cfg: Config, model_path: str, *, reward: bool = True, advantage: bool
             stages.reward = place(Reward, "reward", lambda r: dict(cfg=cfg, device=device))
         if advantage:
             stages.advantage = place(Advantage, "actor", lambda r: dict(cfg=cfg, rank=r))
-        if reference:
+        if reference and not cfg.actor.lora_rank:  # a LoRA policy is its own reference: the base
             stages.reference = place(Reference, "reference", lambda r: dict(cfg=cfg, model_path=model_path,
                                                                             device=device))
         if critic:

@@ -17,7 +17,7 @@ restarts and logging are the driver loop's (pipelines/driver.py), between execut
 The warm start (`supervised`) runs the same step on one worker for at most `warmstart.steps` steps
 of `warmstart.batch_size` examples at a constant `warmstart.lr`, without checkpoints. Before RL,
 with `warmstart.stop_accuracy` > 0, it holds 256 training prompts out and ends
-once their greedy accuracy (scored by the run's reward, measured every `warmstart.check_every`
+once their greedy accuracy (scored by the run's reward, measured every `CHECK_EVERY`
 steps) reaches that: where a warm start lands, not how many steps it took, decides how much RL
 can gain, and the steps a given accuracy takes vary with the machine's arithmetic and the seed.
 
@@ -146,6 +146,7 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 
 
 DEV_PROMPTS = 256  # training prompts the warm start holds out, to measure its accuracy on
+CHECK_EVERY = 100  # warm-start steps between two measurements of that accuracy
 
 
 def hold_out(examples: list[Example], prompts: list[Prompt], n: int, seed: int) -> tuple[list[Example], list[Prompt]]:
@@ -169,7 +170,7 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
     # the warm start's own phase, from the warmstart section: the run's settings stay as they are
     ws_cfg = replace(
         cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant", sp=1,
-                           mini_batch_prompts=w.batch_size, ppo_epochs=1),
+                           mini_batch_prompts=w.batch_size, ppo_epochs=1, lora_rank=0),  # full weights: LoRA's base
         data=replace(cfg.data, prompts_per_step=w.batch_size), trainer=replace(cfg.trainer, total_steps=w.steps),
         placement=replace(cfg.placement, workers=1, own_pool=[]), rollout=replace(cfg.rollout, tp=1))  # one process
     rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them
@@ -194,7 +195,7 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
                 print(f"warm-start: step {step + 1}/{w.steps}, loss {metrics['sft/loss']:.4f}, "
                       f"{(now - since) / every:.3f} s a step", flush=True)
                 since = now
-            if checks and ((step + 1) % w.check_every == 0 or step == w.steps - 1):
+            if checks and ((step + 1) % CHECK_EVERY == 0 or step == w.steps - 1):
                 accuracy = dev_accuracy(stages, dev, step)
                 tracker.log_metrics({"warmstart/dev_accuracy": accuracy}, step=step)
                 if accuracy >= w.stop_accuracy:

@@ -29,7 +29,7 @@ class Advantage:
     def __init__(self, cfg: Config, rank: int = 0) -> None:
         self.cfg, self.rank = cfg, rank
         alg = cfg.algorithm
-        self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
+        self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, algos.KL_HORIZON)
                        if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))
 
     def estimate(self, batch: Batch, baseline: Batch | None = None) -> Batch:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForTokenClassification
 
@@ -151,4 +151,4 @@ class Critic:
 
     def load(self, directory: str) -> None:
         d = Path(directory)
-        self.engine.load(d / "critic.safetensors", d / "critic_trainer")
+        self.engine.load(load_file(d / "critic.safetensors"), d / "critic_trainer")

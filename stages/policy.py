@@ -12,7 +12,12 @@ Invariants:
 - `old_logprobs` are recomputed by the trainer; the rollout's own logprobs only feed the
   train/infer mismatch metrics;
 - a checkpoint holds the full model (rank 0, a HF directory), every rank's optimizer shard (torch
-  distributed checkpoint, loadable at another world size) and RNG state, and the weight version.
+  distributed checkpoint, loadable at another world size) and RNG state, and the weight version;
+  with LoRA (`actor.lora_rank`) it holds the adapters (a PEFT directory, `adapter/`) instead of the
+  model, whose frozen base stays the model directory's;
+- with LoRA the reference policy is the base, the same weights with the adapters off: the policy
+  fills `ref_logprobs` itself (no Reference stage runs), in `logprobs` or, where the pipeline
+  calls no `logprobs` (DPO), in `update`.
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from engine import algos
 from engine.batch import Batch, Update
 from engine.config import Config
-from engine.reshard import WeightBroadcast, push_weights, weight_shapes
+from engine.reshard import WeightBroadcast, full_tensors, push_weights, weight_shapes
 from engine.tensors import peak_memory
+from engine.train import lora
 from engine.train.fsdp import TrainEngine, response_logprobs
 from engine.train.losses import Evaluated, Loss, sp_members
 
@@ -45,8 +51,14 @@ class Policy:
         self.engine = TrainEngine(model_path, a.lr, a.weight_decay, a.grad_clip, a.warmup_steps,
                                   rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
                                   a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing,
-                                  sp=a.sp, compile_layers=a.compile_layers, share_prompts=a.share_prompts)
+                                  sp=a.sp, compile_layers=a.compile_layers, share_prompts=a.share_prompts,
+                                  lora=lora.lora_config(a.lora_rank, a.lora_alpha, a.lora_targets)
+                                  if a.lora_rank else None)
+        self.model_path = model_path
         self.weight_version = 0
+        # a LoRA policy is its own reference (the base): when the run has a KL term or is DPO
+        self.own_reference = bool(a.lora_rank) and (cfg.algorithm.name == "dpo" or bool(
+            a.kl_loss_coef or cfg.algorithm.kl_in_reward))
 
     def logprobs(self, batch: Batch) -> Batch:
         """Old-policy logprobs, plus how far they are from what the rollout engine reported.
@@ -56,18 +68,12 @@ class Policy:
         (detached) and the mismatch metrics, and this forward is skipped."""
         start = time.perf_counter()
         a = self.cfg.actor
+        self._reference(batch)
         if a.ppo_epochs == 1 and a.mini_batch_prompts == self.cfg.data.prompts_per_step and \
                 not self.cfg.algorithm.kl_in_reward:
             batch.timing["old_log_prob"] = time.perf_counter() - start
             return batch
-        members, me = sp_members(self.engine.root, batch)
-        rows = batch if len(members) == 1 else Batch.cat(members)  # the SP group's rows, this rank's among them
-        ids, mask, pos = rows.sequences()
-        old, _ = response_logprobs(
-            self.engine.root, ids, mask, pos, rows.response_ids, self.cfg.rollout.temperature,
-            a.micro_batch_tokens_per_gpu, pack=a.pack_sequences, group_size=rows.group_size if a.share_prompts else 0)
-        first = sum(len(m) for m in members[:me])
-        batch.old_logprobs = old[first:first + len(batch), :batch.response_ids.shape[1]]  # responses: right-padded
+        batch.old_logprobs = self._forward(batch)
         diff = (batch.old_logprobs.exp() - batch.rollout_logprobs.exp()).abs()
         valid = batch.response_mask.bool()
         batch.metrics["training/rollout_probs_diff_mean"] = float(diff[valid].mean())
@@ -76,10 +82,32 @@ class Policy:
         peak_memory("old_log_prob", batch.metrics)
         return batch
 
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        """No-grad response logprobs [N, R] of this rank's `batch` under the current weights."""
+        a = self.cfg.actor
+        members, me = sp_members(self.engine.root, batch)
+        rows = batch if len(members) == 1 else Batch.cat(members)  # the SP group's rows, this rank's among them
+        ids, mask, pos = rows.sequences()
+        out, _ = response_logprobs(
+            self.engine.root, ids, mask, pos, rows.response_ids, self.cfg.rollout.temperature,
+            a.micro_batch_tokens_per_gpu, pack=a.pack_sequences, group_size=rows.group_size if a.share_prompts else 0)
+        first = sum(len(m) for m in members[:me])
+        return out[first:first + len(batch), :batch.response_ids.shape[1]]  # responses: right-padded
+
+    def _reference(self, batch: Batch) -> None:
+        """LoRA: the reference's logprobs (the base: adapters off), unless the batch has them."""
+        if not self.own_reference or batch.ref_logprobs.numel():
+            return
+        start = time.perf_counter()
+        with lora.adapters_off(self.engine.model):
+            batch.ref_logprobs = self._forward(batch)
+        batch.timing["ref"] = time.perf_counter() - start
+
     def update(self, batch: Batch, loss: Loss) -> Update:
         """`loss`'s optimizer steps on this rank's `batch`; the step's metrics, timings and, for a
         scored (RL) batch, what it generated and a few samples."""
         start = time.perf_counter()
+        self._reference(batch)
         if loss.on_policy and batch.weight_version != self.weight_version:
             raise RuntimeError(f"step {batch.step}: the batch was generated by weights version {batch.weight_version} "
                                f"but the policy holds version {self.weight_version}; this pipeline is on-policy, so "
@@ -100,16 +128,20 @@ class Policy:
     def evaluate(self, batch: Batch, loss: Evaluated) -> Update:
         """`loss`'s metrics of the current weights on `batch`, without a step."""
         start = time.perf_counter()
+        self._reference(batch)
         metrics = loss.evaluate(self.engine, batch)
         batch.timing["evaluate"] = time.perf_counter() - start
         return Update(metrics, batch.timing, [], self.weight_version)
 
     def save(self, directory: str) -> None:
         """Write this rank's part of a checkpoint into `directory` (a temp dir the driver seals):
-        rank 0 the full model as a HF directory, every rank its optimizer shard and its RNG state."""
+        rank 0 the full model as a HF directory (LoRA: the adapter directory), every rank its
+        optimizer shard and its RNG state."""
         d = Path(directory)
-        full = self.engine.full_state_dict()  # collective; the tensors land on rank 0
-        if self.rank == 0:
+        full = self.engine.trained_state_dict()  # collective; the tensors land on rank 0
+        if self.rank == 0 and self.engine.lora is not None:
+            lora.save_adapter(d / lora.ADAPTER_DIR, full, self.engine.lora, self.model_path)
+        elif self.rank == 0:
             save_file(_untie(full), d / "model.safetensors", metadata={"format": "pt"})
             self.engine.model.config.save_pretrained(d)  # with the tokenizer: a loadable HF directory
             self.tokenizer.save_pretrained(d)
@@ -124,7 +156,10 @@ class Policy:
 
     def load(self, directory: str) -> None:
         d = Path(directory)
-        self.engine.load(d / "model.safetensors", d / "trainer")
+        if self.engine.lora is not None:
+            self.engine.load(lora.load_adapter(d / lora.ADAPTER_DIR), d / "trainer")
+        else:
+            self.engine.load(load_file(d / "model.safetensors"), d / "trainer")
         own = d / f"worker_{self.rank}.pt"
         if own.exists():  # a checkpoint from fewer ranks has no RNG state for this one
             rng = torch.load(own, weights_only=True)
@@ -138,11 +173,27 @@ class Policy:
         self.weight_version = int(torch.load(d / "worker_0.pt", weights_only=True).get("weight_version", 0))
 
     def export(self, directory: str) -> None:
-        """A HF directory (safetensors, config, tokenizer) that from_pretrained loads; rank 0 writes."""
-        full = self.engine.full_state_dict()
-        if self.rank == 0:
-            self.engine.model.save_pretrained(directory, state_dict=full)
-            self.tokenizer.save_pretrained(directory)
+        """A HF directory (safetensors, config, tokenizer) that from_pretrained loads; rank 0 writes.
+        With LoRA the directory holds the merged model, and `adapter/` in it the PEFT adapter."""
+        if self.engine.lora is None:
+            full = self.engine.full_state_dict()
+            if self.rank == 0:
+                self.engine.model.save_pretrained(directory, state_dict=full)
+                self.tokenizer.save_pretrained(directory)
+            return
+        adapters = self.engine.trained_state_dict()
+        tensors = full_tensors(self.engine.model)  # merged; collective, in step on every rank
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.cpu().contiguous() for name, t in tensors}, d / "model.safetensors",
+                  metadata={"format": "pt"})
+        self.engine.model.config.save_pretrained(d)
+        self.tokenizer.save_pretrained(d)
+        lora.save_adapter(d / lora.ADAPTER_DIR, adapters, self.engine.lora, self.model_path)
 
 
 class PolicySender(Policy):

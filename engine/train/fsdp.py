@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -62,6 +61,7 @@ from engine import algos
 from engine.checkpoint import load_shards
 from engine.tensors import consecutive_group, fused, to_device
 from engine.train import ulysses, varlen
+from engine.train.lora import LoraConfig, add_adapters
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 FLEX_BLOCK = 128  # flex attention's default block size (create_block_mask's BLOCK_SIZE)
@@ -417,12 +417,14 @@ class TrainEngine:
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
                  root: Any = None, checkpointing: bool = False, model_cls: Any = AutoModelForCausalLM,
                  sp: int = 1, compile_layers: bool = False, share_prompts: bool = False,
-                 **model_kwargs: Any) -> None:
+                 lora: LoraConfig | None = None, **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
         (default `Policy`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
         decoder layer's activations in backward instead of keeping them; `sp` > 1 runs the Policy's
         forwards sequence-parallel over groups of `sp` consecutive ranks, which must pass the same rows;
-        `share_prompts` picks the attention that shared-prompt forwards need (`attn_implementation`)."""
+        `share_prompts` picks the attention that shared-prompt forwards need (`attn_implementation`);
+        `lora` trains PEFT adapters (engine/train/lora.py) on a frozen base kept in `dtype`: nothing
+        updates it, so it needs no float32 master copy, and the optimizer holds the adapters' state only."""
         root = root or Policy
         self.device = torch.device(device)
         process_group(self.device)
@@ -430,8 +432,11 @@ class TrainEngine:
             raise ValueError("sequence parallelism runs only the Policy root's forwards")
         sp_group = consecutive_group(sp) if sp > 1 else None  # collective: before any other group
         attn = ulysses.NAME if sp > 1 else attn_implementation(self.device, DTYPES[dtype], share_prompts)
-        self.model: Any = model_cls.from_pretrained(model_path, dtype=torch.float32, attn_implementation=attn,
-                                                    **model_kwargs)
+        self.model: Any = model_cls.from_pretrained(model_path, dtype=DTYPES[dtype] if lora else torch.float32,
+                                                    attn_implementation=attn, **model_kwargs)
+        if lora is not None:
+            add_adapters(self.model, lora)
+        self.lora = lora
         if sp > 1:
             ulysses.check_heads(self.model.config, sp)
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
@@ -454,8 +459,8 @@ class TrainEngine:
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
         self.grad_clip = grad_clip
-        self.optimizer = torch.optim.AdamW(self.root.parameters(), lr=lr, weight_decay=weight_decay,
-                                           fused=self.device.type == "cuda")
+        trained = [p for p in self.root.parameters() if p.requires_grad]  # LoRA: the adapters alone
+        self.optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(warmup_steps, total_steps, schedule))
         self.steps = 0  # optimizer steps taken here, skipped ones included
@@ -561,10 +566,18 @@ class TrainEngine:
         return {"optimizer": get_optimizer_state_dict(self.root, self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps}
 
-    def load(self, weights: Path, shards: Path) -> None:
-        """A checkpoint's full weights (a safetensors file) and this rank's optimizer shards (a torch
-        distributed checkpoint, written at any world size); every rank calls."""
-        self.load_full_state_dict(load_file(weights))
+    def trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained parameters, whole, on the CPU of every rank: the adapters with LoRA (its
+        `named_parameters` names), else the whole model (`full_state_dict`: rank 0 only). Every rank calls."""
+        if self.lora is None:
+            return self.full_state_dict()
+        return {name: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).cpu()
+                for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def load(self, weights: dict[str, torch.Tensor], shards: Path) -> None:
+        """A checkpoint's trained weights (`trained_state_dict`'s, on every rank) and this rank's
+        optimizer shards (a torch distributed checkpoint, written at any world size); every rank calls."""
+        self.load_full_state_dict(weights)
         state = self.state_dict()
         load_shards(state, shards)
         self.load_state_dict(state)

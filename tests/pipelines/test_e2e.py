@@ -353,7 +353,7 @@ def test_the_warm_start_ends_once_held_out_training_prompts_reach_its_accuracy(t
     few hundred supervised steps get some right; the warm start stops at its first measurement at
     or above warmstart.stop_accuracy, well before warmstart.steps."""
     cmd = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
-           "warmstart.steps=1000", "warmstart.batch_size=32", "warmstart.check_every=100",
+           "warmstart.steps=1000", "warmstart.batch_size=32",
            "warmstart.stop_accuracy=0.01", "trainer.total_steps=1", "trainer.val_every=0"]
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
