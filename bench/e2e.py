@@ -287,6 +287,9 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
     logged = [max(v.values()) for k, v in m.items() if k.startswith("perf/max_memory_allocated_gb")]
     out.update(framework="rlflow", mode="compiled DAG", micro_batch=f"{micro_tokens(args)} tokens",
                peak_gib=peak.gib, alloc_gib=max(logged) if logged else None, settings=settings,
+               phase_alloc_gib={k.rpartition("/")[2]: max(v.values()) for k, v in m.items()
+                                if k.startswith("perf/max_memory_allocated_gb/")},
+               weight_sync_gb=max(m.get("perf/weight_sync_gb", {0: 0.0}).values()),
                phases={k: statistics.median(s[k] for s in steps[args.warmup:]) for k in ("old_log_prob_s", "update_s")})
     print(f"  rlflow: step {out['step_s']:.3f} s = gen {out['gen_s']:.3f} + old logprobs "
           f"{out['phases']['old_log_prob_s']:.3f} + update {out['phases']['update_s']:.3f} + the rest (reward, "
@@ -420,7 +423,7 @@ def bench_shape(shape: str, args: argparse.Namespace, cuda: bool) -> list[dict]:
     dtype = torch.bfloat16 if cuda else torch.float32
     with tempfile.TemporaryDirectory(prefix=f"e2e_{shape}_") as tmp:
         work = Path(tmp)
-        model, train, val = build_inputs(work, shape, args, dtype)
+        model, train, val = build_inputs(work, shape, args, dtype, "cuda" if cuda and args.init_on_gpu else "cpu")
         print(f"{shape}: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} -> {args.new} tokens, "
               f"{dtype}, {args.steps} steps ({args.warmup} warm-up), work dir {work}", flush=True)
         rows = [run_rlflow(args, cuda, model, train, val, work)]
@@ -449,6 +452,8 @@ def main() -> None:
                          "64-sequence micro-batch (64 x 512)")
     ap.add_argument("--rlflow-set", action="append", metavar="SECTION.KEY=VALUE",
                     help="an rlflow config setting for its job, e.g. actor.compile_layers=true (repeatable)")
+    ap.add_argument("--init-on-gpu", action="store_true",
+                    help="draw the random weights on the GPU (a 7B shape takes minutes on the CPU)")
     ap.add_argument("--trl-micro", type=int, default=64, help="TRL's first micro-batch try, in sequences")
     ap.add_argument("--trl-modes", default="default,no-ckpt",
                     help=f"comma list of {sorted(TRL_MODES)}; empty runs rlflow alone")

@@ -49,7 +49,7 @@ Invariant: after a push every rollout rank's engine holds bit for bit what
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,14 +246,28 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dst, src)
 
 
-def weight_sync(trainer: torch.nn.Module, rollout: Any) -> Callable[[], None]:
+def weight_sync(trainer: torch.nn.Module, rollout: Any) -> Resharder | FullSync:
     """The one way the pipeline refreshes a rollout engine from the trainer (all ranks call it
     together): planned resharding for the native engine, full tensors for any other backend and
     for a LoRA trainer (merged weights, which the trainer never holds as parameters)."""
     model = getattr(rollout, "model", None)
     if isinstance(model, NativeCausalLM) and not lora.has_adapters(trainer):
         return Resharder(trainer, model)
-    return lambda: rollout.load_weights(full_tensors(trainer))
+    return FullSync(trainer, rollout)
+
+
+class FullSync:
+    """Every full tensor of `full_tensors` into the engine's `load_weights`; `bytes_received` is
+    what one sync hands the engine, in the rollout's dtype (as a Resharder's)."""
+
+    def __init__(self, trainer: torch.nn.Module, rollout: Any) -> None:
+        self.trainer, self.rollout = trainer, rollout
+        dtype = next(rollout.model.parameters()).dtype
+        self.bytes_received = sum(torch.Size(s).numel() for _, s in weight_shapes(trainer)) * dtype.itemsize
+        self.bytes_from_peers = 0  # every rank gathers the full tensors itself
+
+    def __call__(self) -> None:
+        self.rollout.load_weights(full_tensors(self.trainer))
 
 
 def full(p: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,8 @@ class HybridPolicy(Policy):
     def update(self, batch: Batch, loss: Loss) -> Update:
         self._to_training(batch)
         out = super().update(batch, loss)
-        out.metrics["perf/reshard_gb_from_peers"] = getattr(self.sync_rollout, "bytes_from_peers", 0) / 1e9
+        out.metrics["perf/reshard_gb_from_peers"] = self.sync_rollout.bytes_from_peers / 1e9
+        out.metrics["perf/weight_sync_gb"] = self.sync_rollout.bytes_received / 1e9  # what the engine takes a sync
         return out
 
     def load(self, directory: str) -> None:

@@ -35,3 +35,24 @@ def test_grpo_step_on_gpu_in_bf16(model_dir, data_files, tmp_path):
     assert m["actor/grad_norm"] > 0
     assert {f"perf/max_memory_allocated_gb/{p}" for p in ("gen", "update_actor")} <= set(m)
     assert any(not torch.equal(v, before[k]) for k, v in actor.engine.model.state_dict().items())
+
+
+def test_lora_grpo_steps_on_gpu_keep_a_bf16_base_and_generate_with_the_adapters(model_dir, data_files, tmp_path):
+    (tmp_path / "odd.py").write_text(ODD_LENGTH)
+    cfg = load_config(None, [f"reward.function={tmp_path}/odd.py:compute_score", "model.dtype=bfloat16",
+                             "rollout.dtype=bfloat16", "data.prompts_per_step=16", "rollout.samples_per_prompt=4",
+                             "actor.lora_rank=8", "actor.lr=5e-2", "actor.kl_loss_coef=0.1"])
+    actor, reward = HybridPolicy(cfg, str(model_dir), device="cuda"), Reward(cfg)
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
+    params = dict(actor.engine.model.named_parameters())
+    base = {k: p.detach().clone() for k, p in params.items() if not p.requires_grad}
+    assert {p.dtype for p in base.values()} == {torch.bfloat16}, "a frozen base needs no fp32 master copy"
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    for step in range(3):
+        batch = actor.logprobs(reward.score(actor.generate(RolloutRequest(prompts[:16], step=step))))
+        m = actor.update(Advantage(cfg).estimate(batch), PolicyGradient(cfg)).metrics
+        assert m["training/rollout_probs_diff_mean"] < 0.02, step  # the engine holds the merged weights
+        assert m["actor/kl_loss"] >= 0
+    assert m["actor/kl_loss"] > 0, "the adapted policy moved away from its base"
+    for k, v in base.items():
+        assert torch.equal(params[k].detach(), v), k
