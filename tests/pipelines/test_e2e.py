@@ -181,8 +181,12 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
     assert after["training/rollout_probs_diff_max"][4] < 1e-4  # and its weights, not the initial ones
 
 
-def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path):
-    steps = ["trainer.total_steps=4", "trainer.save_every=2"]
+LORA = ["actor.lora_rank=8", "actor.lr=5e-3", "actor.kl_loss_coef=0.05"]  # adapters, the base as the reference
+
+
+@pytest.mark.parametrize("weights", [[], LORA], ids=["full", "lora"])
+def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path, weights):
+    steps = ["trainer.total_steps=4", "trainer.save_every=2", *weights]
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
             f"reward.function={tmp_path / 'length_reward.py'}:compute_score", *steps]
@@ -268,11 +272,12 @@ def test_a_stuck_step_is_abandoned_after_the_step_timeout_and_the_run_finishes(t
     assert run.info.status == "FINISHED"
 
 
-def test_checkpoint_from_two_workers_resumes_on_one(tmp_path):
+@pytest.mark.parametrize("weights", [[], LORA], ids=["full", "lora"])
+def test_checkpoint_from_two_workers_resumes_on_one(tmp_path, weights):
     # two data-parallel ranks (gloo all-reduce) with the reward stage split into its own pool
     rlflow(tmp_path, "out", "placement.workers=2", "placement.own_pool=[reward]", "trainer.total_steps=2",
-           "trainer.val_every=0")
-    resumed = rlflow(tmp_path, "out", "placement.workers=1", "trainer.total_steps=3", "trainer.val_every=0")
+           "trainer.val_every=0", *weights)
+    resumed = rlflow(tmp_path, "out", "placement.workers=1", "trainer.total_steps=3", "trainer.val_every=0", *weights)
     assert "at step 2" in resumed.stdout
     client, run = only_run(tmp_path)
     assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2, 3]

@@ -137,3 +137,30 @@ def test_bad_lora_settings_fail_clearly(model_dir, setting, message):
     cfg = load_config(None, ["actor.lora_rank=8", *setting])
     with pytest.raises(ValueError, match=message):
         Policy(cfg, str(model_dir))
+
+
+def test_lora_dpo_anchors_to_the_base(model_dir):
+    """DPO with LoRA runs no Reference stage: the policy's base is the anchor, so at the start the
+    loss is ln 2, and after updates the batch's reference logprobs are still the base model's."""
+    import math
+
+    from engine.data import task
+    from engine.data.prompts import Pair, pairs_batch
+    from engine.train.losses import Preference
+
+    cfg = load_config(None, ["actor.lora_rank=8", "actor.lr=1e-2", "data.prompts_per_step=8",
+                             "actor.mini_batch_prompts=8"], job="dpo")
+    actor = Policy(cfg, str(model_dir))
+    assert actor.own_reference
+    tok, eos, rng = actor.tokenizer, actor.tokenizer.eos_token_id, __import__("random").Random(0)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    pairs = [Pair(enc(f"{a}+{a + 7}="), enc(str(2 * a + 7)) + [eos], enc(task.wrong_answer(2 * a + 7, rng)) + [eos],
+                  "arith", "") for a in range(3, 75, 9)]
+    loss = Preference(cfg)
+    assert actor.evaluate(pairs_batch(pairs, tok.pad_token_id), loss).metrics["dpo/loss"] == pytest.approx(math.log(2))
+    losses = [actor.update(pairs_batch(pairs, tok.pad_token_id), loss).metrics["dpo/loss"] for _ in range(5)]
+    assert losses[-1] < losses[0]
+    batch = pairs_batch(pairs, tok.pad_token_id)
+    actor.evaluate(batch, loss)
+    separate = Reference(load_config(None, []), str(model_dir)).logprobs(pairs_batch(pairs, tok.pad_token_id))
+    assert torch.equal(batch.ref_logprobs, separate.ref_logprobs)
