@@ -53,7 +53,7 @@ class Policy:
                                   a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing,
                                   sp=a.sp, compile_layers=a.compile_layers, share_prompts=a.share_prompts,
                                   lora=lora.lora_config(a.lora_rank, a.lora_alpha, a.lora_targets)
-                                  if a.lora_rank else None)
+                                  if a.lora_rank else None, seed=cfg.trainer.seed)
         self.model_path = model_path
         self.weight_version = 0
         # a LoRA policy is its own reference (the base): when the run has a KL term or is DPO

@@ -417,13 +417,13 @@ class TrainEngine:
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
                  root: Any = None, checkpointing: bool = False, model_cls: Any = AutoModelForCausalLM,
                  sp: int = 1, compile_layers: bool = False, share_prompts: bool = False,
-                 lora: LoraConfig | None = None, **model_kwargs: Any) -> None:
+                 lora: LoraConfig | None = None, seed: int = 0, **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
         (default `Policy`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
         decoder layer's activations in backward instead of keeping them; `sp` > 1 runs the Policy's
         forwards sequence-parallel over groups of `sp` consecutive ranks, which must pass the same rows;
         `share_prompts` picks the attention that shared-prompt forwards need (`attn_implementation`);
-        `lora` trains PEFT adapters (engine/train/lora.py) on a frozen base kept in `dtype`: nothing
+        `lora` trains PEFT adapters (engine/train/lora.py, drawn from `seed`) on a frozen base kept in `dtype`: nothing
         updates it, so it needs no float32 master copy, and the optimizer holds the adapters' state only."""
         root = root or Policy
         self.device = torch.device(device)
@@ -435,7 +435,7 @@ class TrainEngine:
         self.model: Any = model_cls.from_pretrained(model_path, dtype=DTYPES[dtype] if lora else torch.float32,
                                                     attn_implementation=attn, **model_kwargs)
         if lora is not None:
-            add_adapters(self.model, lora)
+            add_adapters(self.model, lora, seed)
         self.lora = lora
         if sp > 1:
             ulysses.check_heads(self.model.config, sp)

@@ -38,11 +38,15 @@ def lora_config(rank: int, alpha: int, targets: list[str]) -> LoraConfig:
     return LoraConfig(r=rank, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0, bias="none")
 
 
-def add_adapters(model: Any, config: LoraConfig) -> Any:
+def add_adapters(model: Any, config: LoraConfig, seed: int = 0) -> Any:
     """`model` with LoRA layers on its targets, in float32 whatever the base's dtype, the rest frozen.
-    A target that matches nothing, or a rank above a target's width, is a ValueError naming it."""
+    Their random initial weights are drawn from `seed`: the same on every rank and in every run of
+    a seed, so a rerun (or a resume) repeats it. A target that matches nothing, or a rank above a
+    target's width, is a ValueError naming it."""
     try:
-        inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+        with torch.random.fork_rng(devices=[]):  # the caller's RNG stream stays where it was
+            torch.manual_seed(seed)
+            inject_adapter_in_model(config, model, adapter_name=ADAPTER)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model ..."
         raise ValueError(f"actor.lora_targets={config.target_modules} matches no module of the model: {e}") from None
     layers = dict(adapted(model))

@@ -164,3 +164,16 @@ def test_lora_dpo_anchors_to_the_base(model_dir):
     actor.evaluate(batch, loss)
     separate = Reference(load_config(None, []), str(model_dir)).logprobs(pairs_batch(pairs, tok.pad_token_id))
     assert torch.equal(batch.ref_logprobs, separate.ref_logprobs)
+
+
+def test_adapters_start_from_the_run_seed(model_dir):
+    """A rerun (or a resume, or another rank) draws the same initial adapters; another seed others."""
+    def adapters(*extra):
+        policy = Policy(load_config(None, ["actor.lora_rank=4", *extra]), str(model_dir))
+        return [p.detach().clone() for n, p in policy.engine.model.named_parameters() if ".lora_A." in n]
+
+    torch.manual_seed(123)
+    first = adapters()
+    torch.manual_seed(456)  # whatever the process's RNG did before
+    assert all(torch.equal(a, b) for a, b in zip(first, adapters()))
+    assert not any(torch.equal(a, b) for a, b in zip(first, adapters("trainer.seed=1")))
