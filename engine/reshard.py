@@ -263,7 +263,7 @@ class FullSync:
     def __init__(self, trainer: torch.nn.Module, rollout: Any) -> None:
         self.trainer, self.rollout = trainer, rollout
         dtype = next(rollout.model.parameters()).dtype
-        self.bytes_received = sum(torch.Size(s).numel() for _, s in weight_shapes(trainer)) * dtype.itemsize
+        self.bytes_received = sum(torch.Size(s).numel() for _, s in lora.merged_shapes(trainer)) * dtype.itemsize
         self.bytes_from_peers = 0  # every rank gathers the full tensors itself
 
     def __call__(self) -> None:
@@ -287,10 +287,15 @@ def full_tensors(trainer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def weight_shapes(trainer: torch.nn.Module) -> list[tuple[str, list[int]]]:
-    """(HF name, full shape) of every tensor `full_tensors` gives, in its order: the plan of a push."""
-    if lora.has_adapters(trainer):
-        return lora.merged_shapes(trainer)
-    return [(name, list(p.shape)) for name, p in trainer.named_parameters()]
+    """(name, full shape) of every tensor a push sends (`push_tensors`), in its order: the plan of a push."""
+    return [(name, list(p.shape)) for name, p in trainer.named_parameters()
+            if not lora.has_adapters(trainer) or ".lora_" in name]
+
+
+def push_tensors(trainer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a push to a rollout pool sends: every weight (`full_tensors`), or with LoRA the adapters
+    alone, which the pool merges into its engine beside its own copy of the base (`lora.Merger`)."""
+    return lora.adapter_tensors(trainer, full) if lora.has_adapters(trainer) else full_tensors(trainer)
 
 
 def buckets_of(shapes: list[tuple[str, list[int]]], itemsize: int,
@@ -326,8 +331,11 @@ class WeightBroadcast:
     def __init__(self, host: str, port: int, rank: int, size: int, shapes: list[tuple[str, list[int]]],
                  dtype: torch.dtype, device: torch.device, bucket_bytes: int = BUCKET_BYTES,
                  timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+        if any(".lora_" in name for name, _ in shapes):
+            dtype = torch.float32  # LoRA adapters, few and merged on arrival: sent at the trainer's precision
         self.rank, self.dtype, self.device = rank, dtype, device
         self.buckets = buckets_of(shapes, dtype.itemsize, bucket_bytes)
+        self.bytes_per_push = sum(torch.Size(s).numel() for _, s in shapes) * dtype.itemsize
         # A group of its own: each pool already has its default group, and dist.new_group cannot span two.
         self.store = tcp_store(host, port, size, rank, timeout)
         store = dist.PrefixStore("rollout-weights", self.store)
@@ -374,7 +382,7 @@ class WeightBroadcast:
 def push_weights(trainer: torch.nn.Module, link: WeightBroadcast | None, version: int) -> None:
     """Every trainer rank, together with every rollout rank's `receive`: the full tensors are
     all-gathered on every trainer rank, and rank 0 (the one holding `link`) sends them."""
-    tensors = full_tensors(trainer)
+    tensors = push_tensors(trainer)
     if link is None:
         for _ in tensors:  # join each all-gather
             pass

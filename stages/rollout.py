@@ -22,6 +22,7 @@ broadcast), tests/pipelines/test_e2e.py -k split (split placement, same metrics 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -33,11 +34,13 @@ from engine.rollout.base import SamplingParams
 from engine.rollout.build import build_rollout
 from engine.rollout.model import TP
 from engine.tensors import left_pad, peak_memory, right_pad
+from engine.train import lora
+from engine.train.fsdp import DTYPES
 
 
 class Rollout:
     def __init__(self, cfg: Config, model_path: str, rank: int = 0, world: int = 1, device: str = "cpu") -> None:
-        self.cfg, self.rank, self.device = cfg, rank, torch.device(device)
+        self.cfg, self.rank, self.device, self.model_path = cfg, rank, torch.device(device), model_path
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         r = cfg.rollout
         self.tp = TP.over_world(r.tp)  # a TP group generates the prompts of all its ranks at once
@@ -47,6 +50,7 @@ class Rollout:
                                     r.kv_cache_memory, self.tp if r.tp > 1 else None)
         self.weight_version = 0
         self.link: WeightBroadcast | None = None
+        self.sink: Any = self.engine  # what a push loads into: the engine, or a LoRA Merger in front of it
 
     def generate(self, request: RolloutRequest) -> Batch:
         start = time.perf_counter()
@@ -78,6 +82,8 @@ class Rollout:
         )
         batch.timing["gen"] = time.perf_counter() - start
         peak_memory("gen", batch.metrics)
+        if self.link is not None:
+            batch.metrics["perf/weight_sync_gb"] = self.link.bytes_per_push / 1e9  # what each push moves
         return batch
 
     def _tp_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
@@ -96,12 +102,16 @@ class Rollout:
         `shapes` is the trainer's push plan (`engine.reshard.weight_shapes`)."""
         dtype = getattr(torch, self.cfg.rollout.dtype)
         self.link = WeightBroadcast(host, port, 1 + self.rank, size, shapes, dtype, self.device)
+        a = self.cfg.actor
+        if a.lora_rank:  # the trainer pushes adapters: merge them beside a copy of the base
+            self.sink = lora.Merger(self.engine, self.model_path, [n for n, _ in shapes], a.lora_alpha / a.lora_rank,
+                                    DTYPES[self.cfg.model.dtype], self.device)
 
     def pull_weights(self, update: Update | None) -> int:
         """Take the trainer's weights (every rollout rank, with every actor rank's `push_weights`):
         those of `update`, or (None) those a checkpoint load set; returns their version."""
         assert self.link is not None, "connect first"
-        self.weight_version = self.link.receive(self.engine)
+        self.weight_version = self.link.receive(self.sink)
         if update is not None and update.weight_version != self.weight_version:
             raise RuntimeError(f"expected weights version {update.weight_version}, received {self.weight_version}")
         return self.weight_version

@@ -11,13 +11,15 @@ Invariants:
 - merged = base + (B @ A) * (alpha / r), computed in float32 (`peft`'s own merge computes the same
   expression) and stored in the base's dtype;
 - `adapters_off` runs the model as its base (the reference policy): no second copy of the weights;
+- a push to a rollout pool of its own sends the adapters alone; its `Merger` merges them into the
+  engine beside a base copy of its own, the same way `merged` does;
 - an adapter directory (`save_adapter`) is what `peft.PeftModel.from_pretrained` loads.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -107,9 +109,54 @@ def merged(model: Any, full: Any) -> Iterator[tuple[str, torch.Tensor]]:
         tensor = full(p)
         if name in scales:
             layer, scale = scales[name]
-            a, b = full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight)
-            tensor = (tensor.float() + (b.float() @ a.float()) * scale).to(tensor.dtype)
+            tensor = merge(tensor, full(layer.lora_A[ADAPTER].weight), full(layer.lora_B[ADAPTER].weight), scale)
         yield out, tensor
+
+
+def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """base [out, in] + (b [out, r] @ a [r, in]) * scale, in float32, returned in the base's dtype."""
+    return (base.float() + (b.float() @ a.float()) * scale).to(base.dtype)
+
+
+def adapter_tensors(model: Any, full: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every adapter parameter, in `named_parameters` order (A before B of
+    each module); `full` as `merged`'s (collective under FSDP2)."""
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            yield name, full(p)
+
+
+class Merger:
+    """A rollout engine's end of adapter-only weight pushes (split placement): it keeps the base of
+    every adapted weight (read once from the model directory, in the trainer's `dtype`, on
+    `device`) and, as each module's A and B arrive, loads base + B @ A x scale into the engine:
+    the weights `merged` gives the trainer side, while a push moves only the adapters. The price is
+    a second copy of the adapted base weights on the rollout's device."""
+
+    def __init__(self, engine: Any, model_path: str, names: list[str], scale: float, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        from safetensors import safe_open
+
+        self.engine, self.scale = engine, scale
+        wanted = {f"{n.partition('.lora_A.')[0]}.weight" for n in names if ".lora_A." in n}
+        self.base: dict[str, torch.Tensor] = {}
+        for f in sorted(Path(model_path).glob("*.safetensors")):
+            with safe_open(f, "pt") as st:
+                for key in wanted & set(st.keys()):
+                    self.base[key] = st.get_tensor(key).to(device=device, dtype=dtype)
+        if len(self.base) != len(wanted):
+            raise ValueError(f"{model_path} lacks the base of {sorted(wanted - set(self.base))[:3]}")
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, t in named_tensors:
+            module, _, kind = name.partition(".lora_")
+            ab = self.pending.setdefault(module, {})
+            ab[kind[0]] = t  # "A" or "B"
+            if len(ab) == 2:
+                del self.pending[module]
+                weight = f"{module}.weight"
+                self.engine.load_weights([(weight, merge(self.base[weight], ab["A"], ab["B"], self.scale))])
 
 
 def merged_shapes(model: Any) -> list[tuple[str, list[int]]]:

@@ -170,6 +170,7 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
     got = steady_history(tmp_path)
     hybrid = steady_history(compiled_run)
     assert hybrid.pop("perf/reshard_gb_from_peers")  # the in-place reshard's, which only the hybrid engine runs
+    assert got.pop("perf/weight_sync_gb") and hybrid.pop("perf/weight_sync_gb")  # a push's bytes, a reshard's
     assert got == hybrid
     assert got["rollout/weight_version"] == [(1, 0.0), (2, 1.0), (3, 2.0)]
 
@@ -182,6 +183,21 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
 
 
 LORA = ["actor.lora_rank=8", "actor.lr=5e-3", "actor.kl_loss_coef=0.05"]  # adapters, the base as the reference
+
+
+def test_lora_split_placement_pushes_the_adapters_alone_and_matches_hybrid(tmp_path):
+    """A LoRA trainer pushes its adapters only; the rollout pool merges them beside its own copy of
+    the base, into the same weights the hybrid engine's merge gives: the same numbers on CPU fp32."""
+    steps = [*LORA, "trainer.total_steps=3", "trainer.val_every=0"]
+    for placement, extra in (("hybrid", []), ("split", ["placement.own_pool=[rollout]"])):
+        (tmp_path / placement).mkdir()
+        rlflow(tmp_path / placement, "out", *steps, *extra)
+    hybrid, split = steady_history(tmp_path / "hybrid"), steady_history(tmp_path / "split")
+    hybrid.pop("perf/reshard_gb_from_peers")
+    merged, adapters = dict(hybrid.pop("perf/weight_sync_gb")), dict(split.pop("perf/weight_sync_gb"))
+    assert adapters[3] < merged[3] / 4  # rank-8 adapters against the whole 0.8M-parameter model
+    assert split == hybrid
+    assert split["training/rollout_probs_diff_max"][-1][1] < 1e-4
 
 
 @pytest.mark.parametrize("weights", [[], LORA], ids=["full", "lora"])
