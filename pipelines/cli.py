@@ -165,16 +165,18 @@ def init_ray(cfg: Config) -> None:
               "not on loopback only", flush=True)
 
 
-def check_lora(cfg: Config, model_path: str) -> None:
+def check_lora(cfg: Config, model_path: str) -> int:
     """LoRA settings the model cannot take, and a checkpoint to resume whose weights are of the
     other kind (adapters for a full-weight run, or the reverse, or another rank): one line each,
-    before any worker starts. The model is built on the meta device, without its weights."""
+    before any worker starts. The model is built on the meta device, without its weights. Returns
+    how many parameters a checkpoint holds: the adapters' (0 without LoRA: the model's, counted elsewhere)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.train import lora
 
     a = cfg.actor
+    trained = 0
     if a.lora_rank:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
@@ -182,14 +184,16 @@ def check_lora(cfg: Config, model_path: str) -> None:
             lora.add_adapters(model, lora.lora_config(a.lora_rank, a.lora_alpha, a.lora_targets))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     try:
         found = checkpoint.find_resume(Path(cfg.trainer.output_dir) / "checkpoints", cfg.trainer.resume)
     except FileNotFoundError:
-        return
+        return trained
     if found and lora.adapter_rank(found) != a.lora_rank:
         have = f"LoRA adapters of rank {lora.adapter_rank(found)}" if lora.adapter_rank(found) else "full weights"
         raise ConfigError(f"the checkpoint to resume, {found}, holds {have}, but actor.lora_rank={a.lora_rank}: "
                           "resume with the setting it was trained with, or start a new trainer.output_dir")
+    return trained
 
 
 def resumed_run_id(cfg: Config) -> str | None:
@@ -209,12 +213,14 @@ def git_commit() -> str:
         return ""
 
 
-def check_disk(cfg: Config, model_path: str, tracker: Tracker) -> None:
-    """Say at the start, not at the final save hours later, when the checkpoints may not fit."""
-    models = 2 if cfg.algorithm.advantage == "gae" else 1  # PPO's critic: the policy's backbone, its own AdamW
+def check_disk(cfg: Config, model_path: str, tracker: Tracker, adapters: int = 0) -> None:
+    """Say at the start, not at the final save hours later, when the checkpoints may not fit. A
+    LoRA policy's checkpoints hold its `adapters` parameters, not the model's."""
+    model = checkpoint.model_parameters(model_path)
+    critic = model if cfg.algorithm.advantage == "gae" else 0  # PPO's critic: the policy's backbone, its own AdamW
     copies = int(cfg.trainer.log_checkpoint and tracker.local_artifacts())
-    why = checkpoint.disk_shortfall(Path(cfg.trainer.output_dir) / "checkpoints",
-                                    models * checkpoint.model_parameters(model_path), cfg.trainer.keep_last, copies)
+    why = checkpoint.disk_shortfall(Path(cfg.trainer.output_dir) / "checkpoints", (adapters or model) + critic,
+                                    cfg.trainer.keep_last, copies)
     if why:
         print(f"rlflow: warning: {why}", flush=True)
 
@@ -224,7 +230,7 @@ def train(cfg: Config) -> dict[str, str]:
 
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_path, files = resolve_inputs(cfg)
-    check_lora(cfg, model_path)
+    adapters = check_lora(cfg, model_path)
     previous = resumed_run_id(cfg)
     if previous and "MLFLOW_RUN_ID" not in os.environ:
         os.environ["MLFLOW_RUN_ID"] = previous
@@ -236,7 +242,7 @@ def train(cfg: Config) -> dict[str, str]:
         tracker.log_params(to_dict(cfg))
         tracker.log_dict(to_dict(cfg), "config.yaml")
         tracker.log_datasets(files)
-        check_disk(cfg, model_path, tracker)
+        check_disk(cfg, model_path, tracker, adapters)
         init_ray(cfg)
         if cfg.algorithm.name == "sft":  # the supervised training is the run: no warm start before it
             export = sft.train(cfg, model_path, files, tracker)
