@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -315,9 +316,6 @@ def run_eval(source: str, cfg: Config) -> dict[str, float]:
     from pipelines.eval import evaluate
 
     model_dir = find_model(source)
-    if not (model_dir / "config.json").is_file():  # a LoRA checkpoint: adapters without their base
-        raise ConfigError(f"{model_dir} holds LoRA adapters, not a model: `rlflow export {source} DEST` merges "
-                          "them into one, which `rlflow eval DEST` scores")
     files = resolve_files(cfg)["val"]
     tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or f"eval {model_dir.name}",
                       tags={"job": "eval", "model": str(model_dir.resolve()), "git_commit": git_commit(),
@@ -329,7 +327,10 @@ def run_eval(source: str, cfg: Config) -> dict[str, float]:
                             "model": {"dtype": cfg.model.dtype}, **{k: d[k] for k in ("data", "rollout", "reward")}})
         tracker.log_datasets({"eval": files})
         init_ray(cfg)
-        metrics = evaluate(cfg, model_dir, files, tracker)
+        with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as merged:
+            if not (model_dir / "config.json").is_file():  # a LoRA checkpoint: its adapters merged into their base
+                export(str(model_dir), merged)
+            metrics = evaluate(cfg, Path(merged) if any(Path(merged).iterdir()) else model_dir, files, tracker)
         status = "FINISHED"
     finally:
         tracker.finish(status)

@@ -199,6 +199,18 @@ def test_lora_split_placement_pushes_the_adapters_alone_and_matches_hybrid(tmp_p
     assert split == hybrid
     assert split["training/rollout_probs_diff_max"][-1][1] < 1e-4
 
+    # `rlflow eval` of a LoRA run merges its checkpoint's adapters into their base: the final
+    # validation's greedy answers again
+    run = tmp_path / "hybrid"
+    proc = subprocess.run([str(BIN / "rlflow"), "eval", str(run / "out"), str(ROOT / "conf" / "smoke.yaml"),
+                           f"reward.function={run}/length_reward.py:compute_score", f"trainer.output_dir={run / 'out'}",
+                           "data.prompts_per_step=16", "actor.mini_batch_prompts=16", "trainer.experiment=eval"],
+                          env=env(run), cwd=run, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, evaluated = only_run(run, "eval")
+    _, trained = only_run(run)
+    assert evaluated.data.metrics["eval/arith/accuracy"] == trained.data.metrics["val/arith/greedy_score"]
+
 
 @pytest.mark.parametrize("weights", [[], LORA], ids=["full", "lora"])
 def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path, weights):
