@@ -79,15 +79,20 @@ def has_adapters(model: Any) -> bool:
 
 @contextmanager
 def adapters_off(model: Any) -> Iterator[None]:
-    """Within the block the model is its base: the reference policy of a LoRA run."""
+    """Within the block the model is its base: the reference policy of a LoRA run.
+
+    It sets the flag peft's LoRA forward reads (`_disable_adapters`), not `enable_adapters`, which
+    also turns the adapters' requires_grad off and on: FSDP2 fixes each unit's gradient dtypes from
+    its trainable parameters at the first forward, and when that is the reference's, float32
+    adapters would get bf16 gradients and the first backward fails (tests/stages/test_lora.py)."""
     layers = [m for _, m in adapted(model)]
     for m in layers:
-        m.enable_adapters(False)
+        m._disable_adapters = True
     try:
         yield
     finally:
         for m in layers:
-            m.enable_adapters(True)
+            m._disable_adapters = False
 
 
 def hf_name(name: str) -> str | None:

@@ -177,3 +177,19 @@ def test_adapters_start_from_the_run_seed(model_dir):
     torch.manual_seed(456)  # whatever the process's RNG did before
     assert all(torch.equal(a, b) for a, b in zip(first, adapters()))
     assert not any(torch.equal(a, b) for a, b in zip(first, adapters("trainer.seed=1")))
+
+
+def test_a_bf16_base_trains_when_the_first_forward_is_the_reference(model_dir, data_files, tmp_path):
+    """A bf16 base with float32 adapters (the GPU layout, here on the CPU) and a KL term: the first
+    forward FSDP2 sees is the reference's, adapters off. Switching them off must leave every
+    parameter's requires_grad alone: FSDP2 fixes a unit's gradient dtypes from its trainable
+    parameters at that first forward, and a frozen adapter then would get bf16 gradients."""
+    cfg = lora_cfg(tmp_path, "model.dtype=bfloat16", "rollout.dtype=bfloat16")
+    actor, reward, adv = HybridPolicy(cfg, str(model_dir)), Reward(cfg), Advantage(cfg)
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 16)
+    trained = {n for n, p in actor.engine.model.named_parameters() if p.requires_grad}
+    with lora.adapters_off(actor.engine.model):
+        assert {n for n, p in actor.engine.model.named_parameters() if p.requires_grad} == trained
+    out, _ = grpo_step(actor, reward, adv, prompts[:8], 0)
+    assert out.metrics["actor/grad_norm"] > 0
+    assert {p.grad.dtype for p in actor.engine.model.parameters() if p.grad is not None} <= {torch.float32}
