@@ -75,3 +75,35 @@ def test_unreadable_inputs_are_one_line_before_mlflow_and_ray_start(tmp_path):
         [line] = proc.stderr.splitlines()
         assert line.startswith("rlflow: config error: ") and expected in line, (args, line)
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "out").exists()
+
+
+def test_lora_settings_and_checkpoints_of_the_other_kind_fail_before_work_starts(tmp_path, model_dir):
+    """Checked on the driver, the model built on the meta device: a target that matches nothing, a
+    rank above a layer's width, and a checkpoint to resume whose weights are of the other kind."""
+    from engine import checkpoint
+    from engine.config import ConfigError
+    from pipelines.cli import check_lora, parse
+
+    out = f"trainer.output_dir={tmp_path}"
+    for args, expected in [(["actor.lora_rank=8", "actor.lora_targets=[nope_proj]"], "matches no module"),
+                           (["actor.lora_rank=100"], "larger than model.layers.0.self_attn.k_proj (128 -> 64)")]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            check_lora(parse([*args, out]), str(model_dir))
+    assert check_lora(parse(["actor.lora_rank=8", out]), str(model_dir)) > 0  # the adapters' parameters
+
+    def sealed(step: int, adapter_rank: int) -> None:  # a checkpoint as the driver seals one
+        tmp = checkpoint.begin(tmp_path / "checkpoints", step)
+        if adapter_rank:
+            (tmp / "adapter").mkdir()
+            (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"r": adapter_rank}))
+        checkpoint.commit(tmp_path / "checkpoints", tmp, step, {"step": step}, keep_last=2)
+
+    sealed(2, 8)
+    with pytest.raises(ConfigError, match="holds LoRA adapters of rank 8, but actor.lora_rank=0"):
+        check_lora(parse([out]), str(model_dir))
+    with pytest.raises(ConfigError, match="holds LoRA adapters of rank 8, but actor.lora_rank=16"):
+        check_lora(parse(["actor.lora_rank=16", out]), str(model_dir))
+    check_lora(parse(["actor.lora_rank=8", out]), str(model_dir))  # the same kind resumes
+    sealed(4, 0)
+    with pytest.raises(ConfigError, match="holds full weights, but actor.lora_rank=8"):
+        check_lora(parse(["actor.lora_rank=8", out]), str(model_dir))
