@@ -166,6 +166,7 @@ class TrainerConfig:
     val_samples: int = 4  # k sampled answers per validation prompt for mean@k / pass@k; 0 = greedy only
     samples_every: int = 10  # log a table of sample generations every k steps; 0 = never
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
+    async_mode: str = "sync"  # sync | one_step: the rollout pool generates step t+1 while the trainer updates on t
     max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
     step_timeout_s: float = 3600.0  # a step or validation running longer counts as a stuck worker (rebuilt too)
     max_consecutive_skips: int = 5  # stop after this many non-finite optimizer steps in a row; 0 never
@@ -344,6 +345,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.rollout_correction": ROLLOUT_CORRECTIONS,
     "reward.on_error": ("zero", "raise"),
     "trainer.dag": ("compiled", "plain"),
+    "trainer.async_mode": ("sync", "one_step"),
 }
 
 
@@ -423,6 +425,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"placement.own_pool takes reward, reference, critic and/or rollout, got {p.own_pool}")
     if "rollout" in p.own_pool:
         _validate_split(cfg)
+    _validate_async(cfg)
     if job_of(cfg) == "sft" and cfg.warmstart.steps:
         raise ConfigError(f"warmstart.steps={cfg.warmstart.steps} with algorithm.name=sft: SFT is the supervised "
                           "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
@@ -469,6 +472,21 @@ def _validate_split(cfg: Config) -> None:
     if cfg.rollout.free_cache or cfg.actor.offload_optimizer:
         raise ConfigError("rollout.free_cache and actor.offload_optimizer share one GPU's memory between generation "
                           "and training; with placement.own_pool=[rollout] each has its own GPUs: turn them off")
+
+
+def _validate_async(cfg: Config) -> None:
+    """Generation running ahead of training needs its own workers and a batch known before the step."""
+    if cfg.trainer.async_mode == "sync":
+        return
+    mode = f"trainer.async_mode={cfg.trainer.async_mode}"
+    if job_of(cfg) != "rl":
+        raise ConfigError(f"{mode}: only RL generates; algorithm.name={cfg.algorithm.name} has nothing to overlap")
+    if "rollout" not in cfg.placement.own_pool:
+        raise ConfigError(f"{mode} generates while the trainer updates, so the rollout needs workers of its own: "
+                          "add placement.own_pool=[rollout]")
+    if cfg.algorithm.dynamic_sampling_tries or cfg.algorithm.advantage == "remax":
+        raise ConfigError(f"{mode}: dynamic sampling and ReMax generate again from the current weights inside the "
+                          "step; run them with trainer.async_mode=sync")
 
 
 def _validate_scoring(cfg: Config) -> None:

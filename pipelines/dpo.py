@@ -97,6 +97,9 @@ class DPO:
         results = wait(outputs, SUBMIT, stages.timeout)
         return {f"val/{k[4:]}": v for k, v in results[0].metrics.items() if k.startswith("dpo/")}
 
+    def after_step(self, stages: Stages, outputs: list[Any]) -> None:
+        pass
+
     def headline(self, m: dict[str, float], validation: bool) -> str:
         p = "val" if validation else "dpo"
         return f"loss {m[f'{p}/loss']:.4f} margin {m[f'{p}/reward_margin']:.4f} " \

@@ -43,6 +43,10 @@ class Algorithm(Protocol):
         """Each rank's input to the step graph, and metrics the driver computed making them."""
         ...
 
+    def after_step(self, stages: Stages, outputs: list[Any]) -> None:
+        """Work of the step outside its graph, after it (one_step RL: the weight sync)."""
+        ...
+
     def metrics(self, outputs: list[Any], seconds: float) -> dict[str, float]:
         """The step's metrics from each rank's output and the step's wall time."""
         ...
@@ -114,6 +118,7 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
         begin = time.perf_counter()
         inputs, driver_metrics = algo.inputs(live.stages, loader, at)  # e.g. DAPO's dynamic sampling
         outputs = live.run(inputs)
+        algo.after_step(live.stages, outputs)
         metrics = {**algo.metrics(outputs, time.perf_counter() - begin), **driver_metrics}
         check_health(metrics, t.max_consecutive_skips, last_ckpt)
         at += 1

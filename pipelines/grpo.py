@@ -56,13 +56,14 @@ from stages.reference import Reference
 from stages.reward import Reward
 
 
-def step_graph(stages: Stages, inputs: list[Any], loss: PolicyGradient, sampled: bool = False) -> tuple[list[Any],
-                                                                                                      list[Any]]:
+def step_graph(stages: Stages, inputs: list[Any], loss: PolicyGradient, sampled: bool = False,
+               sync: bool = True) -> tuple[list[Any], list[Any]]:
     """The step's dataflow, one chain per rank, over stages bound to a call mode.
 
-    Inputs are one RolloutRequest per rank, or with `sampled` the scored batches dynamic sampling
-    kept; for ReMax (not sampled) each rank's greedy request follows, at `inputs[workers + rank]`.
-    Returns each rank's Update (what the driver reads) and the weight sync that follows (waited for)."""
+    Inputs are one RolloutRequest per rank, or with `sampled` scored batches (those dynamic sampling
+    kept, or generated ahead); for ReMax (not sampled) each rank's greedy request follows, at
+    `inputs[workers + rank]`. Returns each rank's Update (what the driver reads) and the weight sync
+    that follows (waited for; none without `sync`, when the driver moves the weights itself)."""
     assert stages.generator is not None and stages.reward is not None and stages.advantage is not None
     updates = []
     n = stages.workers
@@ -83,7 +84,7 @@ def step_graph(stages: Stages, inputs: list[Any], loss: PolicyGradient, sampled:
         if stages.critic is not None:  # before the policy's, so every rank runs their collectives in one order
             batch = stages.critic.at(rank, Critic.update, batch)  # clipped value regression on the GAE returns
         updates.append(stages.policy.at(rank, Policy.update, batch, loss))  # PPO-clip epochs over mini-batches
-    return updates, stages.sync.after_update(updates)  # colocated: nothing; split: push to the rollout pool
+    return updates, stages.sync.after_update(updates) if sync else []  # colocated: nothing; split: a push
 
 
 def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
@@ -99,13 +100,20 @@ def rollout(generator: Group[Generator] | None, reward: Group[Reward] | None, pr
 
     Every rank generates (tensor-parallel ranks generate together), also one left without a
     prompt when there are fewer prompts than ranks; its empty batch is not scored."""
-    assert generator is not None and reward is not None
+    assert generator is not None
+    return wait(submit_rollout(generator, reward, prompts, step, greedy, samples), SUBMIT, generator.timeout)
+
+
+def submit_rollout(generator: Group[Generator], reward: Group[Reward] | None, prompts: list[Prompt], step: int,
+                   greedy: bool = False, samples: int = 0) -> list[Any]:
+    """`rollout`'s calls, submitted and not waited for: each rank's scored batch, to come."""
+    assert reward is not None
     gen, score = generator.bound(SUBMIT), reward.bound(SUBMIT)
     refs = []
     for rank, part in enumerate(shards(prompts, gen.size)):
         batch = gen.at(rank, Generator.generate, RolloutRequest(part, step, greedy, samples))
         refs.append(score.at(rank, Reward.score, batch) if part else batch)
-    return wait(refs, SUBMIT, gen.timeout)
+    return refs
 
 
 def validate(stages: Stages, prompts: list[Prompt], step: int, k: int) -> dict[str, float]:
@@ -208,25 +216,57 @@ class GRPO:
         self.tries = cfg.algorithm.dynamic_sampling_tries  # > 0: the driver generates and filters before the graph
         self.loss = PolicyGradient(cfg)
         self.remax = cfg.algorithm.advantage == "remax"  # the baseline: a greedy answer per prompt
+        self.ahead = cfg.trainer.async_mode == "one_step"  # the next step's batch generates during this one's update
+        self.next: list[Any] = []  # one_step: the next step's scored batches, one per rank, generating (refs)
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
-        return step_graph(stages, inputs, self.loss, sampled=self.tries > 0)
+        return step_graph(stages, inputs, self.loss, sampled=self.tries > 0 or self.ahead, sync=not self.ahead)
 
     def launch(self) -> Stages:
         c = self.cfg
+        self.next = []  # fresh workers: whatever was generating went with the old ones
         return launch(c, self.model_path, advantage=True,
                       reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
                       critic=c.algorithm.advantage == "gae")
 
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
         """RolloutRequests (for ReMax, then a greedy one per rank), or with DAPO's dynamic sampling
-        the scored batches it kept."""
+        the scored batches it kept, or with one_step the scored batches generated during the last
+        step (generated now at a run's first step and after a resume)."""
+        if self.ahead:
+            return self._one_step(stages, loader, step), {}
         if not self.tries:
             parts = shards(loader.next_batch(), stages.workers)
             greedy = [RolloutRequest(s, step, greedy=True) for s in parts] if self.remax else []
             return [RolloutRequest(s, step) for s in parts] + greedy, {}
         kept, metrics = dynamic_sample(stages, loader, step, self.tries, self.remax)
         return balanced_shards(kept, stages.workers, self.cfg.actor.mini_batch_prompts), metrics
+
+    def _one_step(self, stages: Stages, loader: PromptLoader, step: int) -> list[Any]:
+        """This step's scored batches, and the next step's submitted: they generate from the weights
+        the rollout pool holds now, one version behind the ones this step trains.
+
+        The loader moves past a batch only when its step takes it: the next one is peeked, so a
+        checkpoint's loader position is the same as a synchronous run's and a resumed run generates
+        the batch that was in flight again (from the checkpoint's weights), skipping no prompt."""
+        assert stages.generator is not None
+        prompts = loader.next_batch()
+        now = self.next or submit_rollout(stages.generator, stages.reward, prompts, step)
+        self.next = []
+        if step + 1 < self.cfg.trainer.total_steps:
+            peek = loader.state_dict()
+            upcoming = loader.next_batch()
+            loader.load_state_dict(peek)
+            self.next = submit_rollout(stages.generator, stages.reward, upcoming, step + 1)
+        return wait(now, SUBMIT, stages.timeout)
+
+    def after_step(self, stages: Stages, outputs: list[Update]) -> None:
+        """one_step: once the next batch is generated, the rollout pool takes this step's weights."""
+        if not self.ahead:
+            return
+        wait(self.next, SUBMIT, stages.timeout)  # generated (the push would queue behind it anyway)
+        sync = stages.sync.bound(SUBMIT)
+        wait(sync.after_update(outputs), SUBMIT, stages.timeout)
 
     def metrics(self, outputs: list[Update], seconds: float) -> dict[str, float]:
         return merge(outputs, seconds, len(outputs))

@@ -100,6 +100,9 @@ class SFT:
                        stages.timeout)
         return {"val/sft/loss": results[0].metrics["sft/loss"]}  # every rank's tokens: the same on each
 
+    def after_step(self, stages: Stages, outputs: list[Any]) -> None:
+        pass
+
     def headline(self, m: dict[str, float], validation: bool) -> str:
         if validation:
             return f"loss {m['val/sft/loss']:.4f}"

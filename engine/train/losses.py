@@ -48,7 +48,7 @@ Micro = Callable[[], torch.Tensor]  # one micro-batch's loss, computed when call
 
 
 class Loss(Protocol):
-    on_policy: bool  # the batch must come from the weights it updates (Policy.update checks it)
+    max_staleness: int | None  # how many weight versions older than the policy a batch may be (None: any)
 
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         """Optimizer steps on `batch` (this rank's rows), collective over the ranks; the step's metrics."""
@@ -86,9 +86,8 @@ def sp_members(root: Policy, batch: Batch) -> tuple[list[Batch], int]:
 class PolicyGradient:
     """PPO-clip epochs over mini-batches of `actor.mini_batch_prompts` prompts (over all ranks)."""
 
-    on_policy = True
-
     def __init__(self, cfg: Config) -> None:
+        self.max_staleness = 1 if cfg.trainer.async_mode == "one_step" else 0  # on-policy, or one step behind
         self.actor, self.workers = cfg.actor, cfg.placement.workers
         self.temperature, self.max_new_tokens = cfg.rollout.temperature, cfg.rollout.max_new_tokens
         self.warmup = cfg.critic.warmup_steps
@@ -193,7 +192,7 @@ class Supervised:
     """One optimizer step of next-token cross-entropy on the response tokens only, a mean over
     every rank's response tokens (`sft/loss`; the optimizer numbers are all ranks')."""
 
-    on_policy = False
+    max_staleness = None
 
     def __init__(self, cfg: Config) -> None:
         self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, cfg.actor.pack_sequences
@@ -227,7 +226,7 @@ class Preference:
     (`dpo/loss`, `dpo/reward_margin`, ...) are means over every rank's pairs, measured in each
     mini-batch's forward, before its step."""
 
-    on_policy = False
+    max_staleness = None
 
     def __init__(self, cfg: Config) -> None:
         self.beta, self.workers = cfg.dpo.beta, cfg.placement.workers

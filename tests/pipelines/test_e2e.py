@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -180,6 +181,30 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
     after = {k: dict(v) for k, v in steady_history(tmp_path).items()}
     assert after["rollout/weight_version"][4] == 3  # the checkpoint's version, pushed at load
     assert after["training/rollout_probs_diff_max"][4] < 1e-4  # and its weights, not the initial ones
+
+
+def test_one_step_async_trains_one_version_behind_and_resumes_without_skipping_a_prompt(tmp_path):
+    """trainer.async_mode=one_step: the rollout pool generates step t+1 while the trainer updates on
+    step t, so from the second step every batch is one weight version old, never more; a checkpoint
+    holds the loader where a synchronous run's is, and the resumed run generates the batch that was
+    in flight again, from the checkpoint's weights."""
+    one_step = ("placement.own_pool=[rollout]", "trainer.async_mode=one_step", "trainer.val_every=0",
+                "algorithm.rollout_correction=token_tis")
+    rlflow(tmp_path, "out", *one_step, "trainer.total_steps=4", "trainer.save_every=2")
+    client, run = only_run(tmp_path)
+    got = history(client, run.info.run_id)
+    assert got["async/staleness"] == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0)]
+    assert got["rollout/weight_version"] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 2.0)]
+    assert got["training/rollout_probs_diff_max"][1][1] > 1e-4  # the gap a version makes, corrected
+    assert got["rollout_correction/mismatch_kl"][1][1] > 0
+
+    state = json.loads((tmp_path / "out" / "checkpoints" / "step_000004" / "driver.json").read_text())
+    assert state["loader"] == {"epoch": 0, "position": 4 * 8, "seed": 0}  # 4 steps of 8 prompts, not 5
+
+    resumed = rlflow(tmp_path, "out", *one_step, "trainer.total_steps=6")
+    assert "at step 4" in resumed.stdout
+    after = dict(history(client, run.info.run_id)["async/staleness"])
+    assert after[5] == 0.0 and after[6] == 1.0  # regenerated from the checkpoint's weights, then one behind
 
 
 LORA = ["actor.lora_rank=8", "actor.lr=5e-3", "actor.kl_loss_coef=0.05"]  # adapters, the base as the reference
