@@ -87,7 +87,7 @@ class PolicyGradient:
     """PPO-clip epochs over mini-batches of `actor.mini_batch_prompts` prompts (over all ranks)."""
 
     def __init__(self, cfg: Config) -> None:
-        self.max_staleness = 1 if cfg.trainer.async_mode == "one_step" else 0  # on-policy, or one step behind
+        self.max_staleness: int | None = 1 if cfg.trainer.async_mode == "one_step" else 0  # or one step behind
         self.actor, self.workers = cfg.actor, cfg.placement.workers
         self.temperature, self.max_new_tokens = cfg.rollout.temperature, cfg.rollout.max_new_tokens
         self.warmup = cfg.critic.warmup_steps
@@ -192,7 +192,7 @@ class Supervised:
     """One optimizer step of next-token cross-entropy on the response tokens only, a mean over
     every rank's response tokens (`sft/loss`; the optimizer numbers are all ranks')."""
 
-    max_staleness = None
+    max_staleness: int | None = None
 
     def __init__(self, cfg: Config) -> None:
         self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, cfg.actor.pack_sequences
@@ -226,7 +226,7 @@ class Preference:
     (`dpo/loss`, `dpo/reward_margin`, ...) are means over every rank's pairs, measured in each
     mini-batch's forward, before its step."""
 
-    max_staleness = None
+    max_staleness: int | None = None
 
     def __init__(self, cfg: Config) -> None:
         self.beta, self.workers = cfg.dpo.beta, cfg.placement.workers
