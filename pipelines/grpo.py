@@ -106,13 +106,13 @@ def rollout(generator: Group[Generator] | None, reward: Group[Reward] | None, pr
 
 def submit_rollout(generator: Group[Generator], reward: Group[Reward] | None, prompts: list[Prompt], step: int,
                    greedy: bool = False, samples: int = 0) -> list[Any]:
-    """`rollout`'s calls, submitted and not waited for: each rank's scored batch, to come."""
-    assert reward is not None
-    gen, score = generator.bound(SUBMIT), reward.bound(SUBMIT)
+    """`rollout`'s calls, submitted and not waited for: each rank's scored batch, to come (without
+    `reward`, its generated batch)."""
+    gen = generator.bound(SUBMIT)
     refs = []
     for rank, part in enumerate(shards(prompts, gen.size)):
         batch = gen.at(rank, Generator.generate, RolloutRequest(part, step, greedy, samples))
-        refs.append(score.at(rank, Reward.score, batch) if part else batch)
+        refs.append(reward.bound(SUBMIT).at(rank, Reward.score, batch) if part and reward else batch)
     return refs
 
 
@@ -217,14 +217,15 @@ class GRPO:
         self.loss = PolicyGradient(cfg)
         self.remax = cfg.algorithm.advantage == "remax"  # the baseline: a greedy answer per prompt
         self.ahead = cfg.trainer.async_mode == "one_step"  # the next step's batch generates during this one's update
-        self.next: list[Any] = []  # one_step: the next step's scored batches, one per rank, generating (refs)
+        self.generating: list[Any] = []  # one_step: the next step's batches, one per rank, generating (refs)
+        self.ready: list[Batch] = []  # one_step: the next step's batches, generated and scored
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
         return step_graph(stages, inputs, self.loss, sampled=self.tries > 0 or self.ahead, sync=not self.ahead)
 
     def launch(self) -> Stages:
         c = self.cfg
-        self.next = []  # fresh workers: whatever was generating went with the old ones
+        self.generating, self.ready = [], []  # fresh workers: what was generating went with the old ones
         return launch(c, self.model_path, advantage=True,
                       reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
                       critic=c.algorithm.advantage == "gae")
@@ -251,20 +252,29 @@ class GRPO:
         the batch that was in flight again (from the checkpoint's weights), skipping no prompt."""
         assert stages.generator is not None
         prompts = loader.next_batch()
-        now = self.next or submit_rollout(stages.generator, stages.reward, prompts, step)
-        self.next = []
+        now = self.ready or wait(submit_rollout(stages.generator, stages.reward, prompts, step), SUBMIT,
+                                 stages.timeout)
+        self.ready = []
         if step + 1 < self.cfg.trainer.total_steps:
             peek = loader.state_dict()
             upcoming = loader.next_batch()
             loader.load_state_dict(peek)
-            self.next = submit_rollout(stages.generator, stages.reward, upcoming, step + 1)
-        return wait(now, SUBMIT, stages.timeout)
+            # generation only: a score queued now on a worker the trainer shares would hold up its
+            # update (an actor runs its calls in order) until the batch exists
+            self.generating = submit_rollout(stages.generator, None, upcoming, step + 1)
+        return now
 
     def after_step(self, stages: Stages, outputs: list[Update]) -> None:
-        """one_step: once the next batch is generated, the rollout pool takes this step's weights."""
+        """one_step: the next batch, once generated, is scored, and the rollout pool takes this
+        step's weights (a push would queue behind the generation anyway)."""
         if not self.ahead:
             return
-        wait(self.next, SUBMIT, stages.timeout)  # generated (the push would queue behind it anyway)
+        if self.generating:
+            assert stages.reward is not None
+            score = stages.reward.bound(SUBMIT)
+            generated = wait(self.generating, SUBMIT, stages.timeout)
+            self.ready = wait([score.at(r, Reward.score, b) for r, b in enumerate(generated)], SUBMIT, stages.timeout)
+            self.generating = []
         sync = stages.sync.bound(SUBMIT)
         wait(sync.after_update(outputs), SUBMIT, stages.timeout)
 
