@@ -29,6 +29,11 @@ graph does not ask which: `stages.generator` generates, and `stages.sync` moves 
 (pipelines/runtime.py). The samples (seeded per step and rank), and so the metrics, are the same
 in both placements.
 
+Asynchronous (`trainer.async_mode=one_step`, split only): the driver submits step t+1's generation
+before step t's graph runs, so the rollout pool generates from weights one version behind while
+the trainer updates; after the graph it scores that batch and pushes the new weights
+(`GRPO._one_step`, `GRPO.after_step`). The graph then takes scored batches, as with dynamic sampling.
+
 Run: `rlflow train [conf/x.yaml] [key=value ...]`.
 """
 
