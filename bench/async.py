@@ -100,8 +100,8 @@ def main() -> None:
               "trainer.val_samples=0", "trainer.samples_every=0"]
 
     # the default's phase split (native engine, hybrid): what overlap could give there
-    split_run = curve(client, rlflow(work, "default_phases", *common, "trainer.total_steps=6", "trainer.val_every=0"))
-    g, s = split_run["gen_s"], split_run["step_s"]
+    default = curve(client, rlflow(work, "default_phases", *common, "trainer.total_steps=6", "trainer.val_every=0"))
+    g, s = default["gen_s"], default["step_s"]
     print(f"embedded default, native engine, hybrid: step {s:.3f} s, generation {g:.3f} s; an overlap could "
           f"give at most {s / max(g, s - g):.2f}x")
 

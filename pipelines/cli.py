@@ -327,10 +327,11 @@ def run_eval(source: str, cfg: Config) -> dict[str, float]:
                             "model": {"dtype": cfg.model.dtype}, **{k: d[k] for k in ("data", "rollout", "reward")}})
         tracker.log_datasets({"eval": files})
         init_ray(cfg)
+        adapters = not (model_dir / "config.json").is_file()  # a LoRA checkpoint: merged into its base first
         with tempfile.TemporaryDirectory(prefix="rlflow-eval-") as merged:
-            if not (model_dir / "config.json").is_file():  # a LoRA checkpoint: its adapters merged into their base
+            if adapters:
                 export(str(model_dir), merged)
-            metrics = evaluate(cfg, Path(merged) if any(Path(merged).iterdir()) else model_dir, files, tracker)
+            metrics = evaluate(cfg, Path(merged) if adapters else model_dir, files, tracker)
         status = "FINISHED"
     finally:
         tracker.finish(status)

@@ -113,11 +113,11 @@ def submit_rollout(generator: Group[Generator], reward: Group[Reward] | None, pr
                    greedy: bool = False, samples: int = 0) -> list[Any]:
     """`rollout`'s calls, submitted and not waited for: each rank's scored batch, to come (without
     `reward`, its generated batch)."""
-    gen = generator.bound(SUBMIT)
+    gen, score = generator.bound(SUBMIT), reward.bound(SUBMIT) if reward else None
     refs = []
     for rank, part in enumerate(shards(prompts, gen.size)):
         batch = gen.at(rank, Generator.generate, RolloutRequest(part, step, greedy, samples))
-        refs.append(reward.bound(SUBMIT).at(rank, Reward.score, batch) if part and reward else batch)
+        refs.append(score.at(rank, Reward.score, batch) if part and score else batch)
     return refs
 
 
@@ -261,12 +261,9 @@ class GRPO:
                                  stages.timeout)
         self.ready = []
         if step + 1 < self.cfg.trainer.total_steps:
-            peek = loader.state_dict()
-            upcoming = loader.next_batch()
-            loader.load_state_dict(peek)
             # generation only: a score queued now on a worker the trainer shares would hold up its
             # update (an actor runs its calls in order) until the batch exists
-            self.generating = submit_rollout(stages.generator, None, upcoming, step + 1)
+            self.generating = submit_rollout(stages.generator, None, loader.peek_batch(), step + 1)
         return now
 
     def after_step(self, stages: Stages, outputs: list[Update]) -> None:

@@ -285,6 +285,13 @@ class PromptLoader(Generic[T]):
         self.position += self.batch_size
         return [self.prompts[i] for i in picked]
 
+    def peek_batch(self) -> list[T]:
+        """The batch `next_batch` will return, without moving past it."""
+        state = self.state_dict()
+        batch = self.next_batch()
+        self.load_state_dict(state)
+        return batch
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
