@@ -41,6 +41,20 @@ def trainer_logprobs(model, prompts: list[list[int]], n: int, completions: list,
     return logp
 
 
+def leave_group() -> None:
+    """End a spawned test worker once its results are saved: a barrier, so no rank tears its gloo
+    pairs down while a peer still reads from them, then an exit without the interpreter's teardown.
+    Either one was seen to abort a rank after its work was done ("terminate called without an
+    active exception"), which fails the test on timing alone."""
+    import os
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
 @pytest.fixture(scope="session")
 def data_files(tmp_path_factory) -> dict[str, str]:
     return task.build_data(tmp_path_factory.mktemp("data"), n_train=512, n_val=64, seed=0)

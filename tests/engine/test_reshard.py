@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import leave_group
 from transformers import AutoModelForCausalLM
 
 from engine.reshard import Resharder, WeightBroadcast, blocks_for, full_tensors, owned_rows, push_weights, weight_shapes
@@ -101,7 +102,7 @@ def _worker(rank: int, port: int, model_dir: str, tp_size: int, out: str, device
     mismatched = [n for (n, a), b in zip(rollout.named_parameters(), want.parameters()) if not torch.equal(a, b)]
     torch.save({"mismatched": mismatched, "received": resharder.bytes_received, "buckets": len(resharder.buckets),
                 "rollout_bytes": sum(p.numel() * p.element_size() for p in rollout.parameters())}, f"{out}.{rank}")
-    dist.destroy_process_group()
+    leave_group()
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import leave_group
 
 from engine.batch import RolloutRequest
 from engine.config import ConfigError, load_config
@@ -316,7 +317,7 @@ def _sp_actor_worker(rank: int, world: int, port: int, overrides: list, model_di
     mine = actor.logprobs(batch.rows(slice(rank * half, (rank + 1) * half)))
     metrics = actor.update(mine, PolicyGradient(cfg)).metrics
     torch.save({"old": mine.old_logprobs, "metrics": metrics}, f"{out}.{rank}")
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_sequence_parallel_update_matches_one_worker(model_dir, data_files, tmp_path):

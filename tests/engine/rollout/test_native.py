@@ -2,10 +2,10 @@
 Gumbel sampling, chunked and shared prefill, tensor parallelism, its KV cache. The `RolloutEngine`
 contract it shares with the other backends: test_rollout_contract.py."""
 
-import os
 
 import pytest
 import torch
+from conftest import leave_group
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.rollout.base import SamplingParams
@@ -157,10 +157,7 @@ def _tp_worker(rank: int, store: str, model_dir: str, out: str, device: str) -> 
     del engine  # the captured graphs hold the communicator's work: drop them before tearing it down
     if device == "cuda":
         torch.cuda.synchronize()
-    dist.destroy_process_group()
-    # the result is saved: leave without the interpreter's teardown, where a rank was seen to abort
-    # ("terminate called without an active exception") after its work was done
-    os._exit(0)
+    leave_group()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[

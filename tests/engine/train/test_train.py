@@ -2,6 +2,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import leave_group
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
@@ -279,7 +280,7 @@ def _dp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dt
             grads = [p.grad.full_tensor().float().cpu() for p in engine.root.parameters()]
     if rank == 0:
         torch.save({"losses": losses, "norms": norms, "grads": grads}, out)
-    dist.destroy_process_group()
+    leave_group()
 
 
 def _free_port() -> int:
@@ -375,7 +376,7 @@ def _sp_worker(rank: int, world: int, sp: int, port: int, model_dir: str, device
     if rank == 0:
         valid = mask[:, -responses.shape[1]:].bool()
         torch.save({"losses": losses, "norms": norms, "grads": grads, "logp": logp, "ent": ent, "valid": valid}, out)
-    dist.destroy_process_group()
+    leave_group()
 
 
 @pytest.mark.parametrize("device,world", [("cpu", 2), ("cpu", 4), pytest.param("cuda", 2, marks=[
