@@ -79,13 +79,14 @@ def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float
 
 
 def reinforce_pp_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """Discounted reward-to-go ``G_t = r_t + gamma * G_{t+1}`` per token. Returns [N, T]."""
+    """Discounted reward-to-go ``G_t = r_t + gamma * G_{t+1}`` per token, t+1 being the next token
+    with mask 1 (an episode's observation tokens neither earn nor discount). Returns [N, T]."""
     mask = mask.to(token_rewards.dtype)
     rewards = token_rewards * mask  # [N, T]
     returns = torch.zeros_like(rewards)  # [N, T]
     running = torch.zeros_like(rewards[:, 0])  # [N]
-    for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
+    for t in reversed(range(rewards.shape[1])):  # a masked token (an observation) passes `running` on
+        running = torch.where(mask[:, t] > 0, rewards[:, t] + gamma * running, running)
         returns[:, t] = running
     return returns * mask
 
@@ -147,8 +148,9 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
     """Generalised advantage estimation (Schulman et al., 2016) over right-padded responses.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with V = 0 past the last valid token, and
-    ``A_t = delta_t + gamma * lam * A_{t+1}``. Inputs [N, T]; returns (advantages, returns = A + V),
-    both [N, T] and not whitened.
+    ``A_t = delta_t + gamma * lam * A_{t+1}``, t+1 being the next token with mask 1 (the observation
+    tokens inside a multi-turn episode are skipped, not treated as an end). Inputs [N, T]; returns
+    (advantages, returns = A + V), both [N, T] and not whitened.
     """
     fmask = mask.to(values.dtype)
     rewards, values = token_rewards * fmask, values * fmask  # [N, T]
@@ -157,9 +159,10 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
     next_value = torch.zeros_like(values[:, 0])  # [N]
     for t in reversed(range(values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
-        advantages[:, t] = running
-        next_value = values[:, t]
+        valid = fmask[:, t] > 0  # a masked token (padding, or an episode's observation) is skipped:
+        running = torch.where(valid, delta + gamma * lam * running, running)  # the token before it
+        advantages[:, t] = running  # bootstraps from the next valid one
+        next_value = torch.where(valid, values[:, t], next_value)
     # Padding sits after the last valid token, so it adds nothing above; mask what it holds.
     return advantages * fmask, (advantages + values) * fmask
 

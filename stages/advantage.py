@@ -34,7 +34,7 @@ class Advantage:
 
     def estimate(self, batch: Batch, baseline: Batch | None = None) -> Batch:
         start = time.perf_counter()
-        alg, mask, rw = self.cfg.algorithm, batch.response_mask, self.cfg.reward
+        alg, mask, rw = self.cfg.algorithm, batch.loss_mask, self.cfg.reward
         if baseline is not None:  # ReMax: one greedy answer a prompt, scored; its generation's time counts
             batch.baseline_scores = baseline.scores.repeat_interleave(batch.group_size)  # [N]
             batch.timing["baseline"] = sum(baseline.timing.values())

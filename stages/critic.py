@@ -108,7 +108,7 @@ class Critic:
     def update(self, batch: Batch) -> Batch:
         """Clipped value regression on `returns`, ppo_epochs x mini-batches as the actor does."""
         start = time.perf_counter()
-        a, mask = self.cfg.actor, batch.response_mask
+        a, mask = self.cfg.actor, batch.loss_mask
         rows = a.mini_batch_prompts // self.world * batch.group_size
         stats: dict[str, list] = {}  # floats and 0-dim device tensors (see the actor's `_loss`)
         for _ in range(a.ppo_epochs):
@@ -126,7 +126,7 @@ class Critic:
 
     def _micro_losses(self, mini: Batch, stats: dict[str, list]) -> list:
         a = self.cfg.actor
-        denom = all_reduce_sum(float(mini.response_mask.sum()))
+        denom = all_reduce_sum(float(mini.loss_mask.sum()))
         ids, attn, pos = mini.sequences()
         return [partial(self._loss, mini, r, ids, attn, pos, denom, stats)
                 for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)]
@@ -136,7 +136,7 @@ class Critic:
         values = forward_values(self.engine.root, ids[r], attn[r], pos[r], mini.response_mask.shape[1],
                                 self.cfg.actor.pack_sequences)
         on = lambda x: to_device(x[r], values.device)  # noqa: E731
-        loss, m = algos.value_loss(values, on(mini.values), on(mini.returns), on(mini.response_mask),
+        loss, m = algos.value_loss(values, on(mini.values), on(mini.returns), on(mini.loss_mask),
                                    self.cfg.critic.cliprange_value, "token-mean", denom)
         stats.setdefault("critic/vf_clipfrac", []).append(m["vf_clipfrac"])
         return loss

@@ -76,7 +76,7 @@ class Policy:
             return batch
         batch.old_logprobs = self._forward(batch)
         diff = (batch.old_logprobs.exp() - batch.rollout_logprobs.exp()).abs()
-        valid = batch.response_mask.bool()
+        valid = batch.loss_mask.bool()
         batch.metrics["training/rollout_probs_diff_mean"] = float(diff[valid].mean())
         batch.metrics["training/rollout_probs_diff_max"] = float(diff[valid].max())
         batch.timing["old_log_prob"] = time.perf_counter() - start
@@ -245,7 +245,7 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     out.update({
         "critic/score/mean": float(batch.scores.mean()), "critic/score/max": float(batch.scores.max()),
         "critic/score/min": float(batch.scores.min()),
-        "critic/advantages/mean": float(algos.masked_mean(batch.advantages, batch.response_mask)),
+        "critic/advantages/mean": float(algos.masked_mean(batch.advantages, batch.loss_mask)),
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(np.mean([f == "length" for f in batch.finish_reason])),
         "prompt_length/mean": float(batch.prompt_mask.sum(1).float().mean()),

@@ -117,7 +117,7 @@ class PolicyGradient:
         ids, attn, pos = mini.sequences()
         # the response tokens this rank's loss covers: all, or with SP its slice's; so the all-rank
         # token count below counts each token once (a row once: sp ranks hold it)
-        mask = mini.response_mask * root.response_mask(attn, mini.response_ids.shape[1])
+        mask = mini.loss_mask * root.response_mask(attn, mini.response_ids.shape[1])
         seq_mode = a.loss_agg != "token-mean"
         denom = all_reduce_sum(float(len(mini)) / a.sp if seq_mode else float(mask.sum()))
         prompt_width = attn.shape[1] - mini.response_ids.shape[1] if a.share_prompts else 0
@@ -206,12 +206,12 @@ class Supervised:
 
     def _micro_losses(self, root: Policy, batch: Batch) -> list[Micro]:
         ids, attn, pos = batch.sequences()
-        denom = all_reduce_sum(float(batch.response_mask.sum()))
+        denom = all_reduce_sum(float(batch.loss_mask.sum()))
 
         def loss(r: torch.Tensor) -> torch.Tensor:
             logp, _ = forward_logprobs(root, ids[r], attn[r], pos[r], batch.response_ids[r], 1.0, self.pack,
                                        entropy=False)
-            return -(logp * batch.response_mask[r].to(logp.device)).sum() / denom
+            return -(logp * batch.loss_mask[r].to(logp.device)).sum() / denom
 
         return [partial(loss, r) for r in micro_batches(attn, self.budget, self.pack)]
 
@@ -264,7 +264,7 @@ class Preference:
               sums: dict[str, float]) -> torch.Tensor:
         # DPO compares the models' own distributions: temperature 1, as the reference scores them
         logp, _ = forward_logprobs(root, ids[r], attn[r], pos[r], mini.response_ids[r], 1.0, self.pack, entropy=False)
-        mask = mini.response_mask[r].to(logp.device)
+        mask = mini.loss_mask[r].to(logp.device)
         seq = (logp * mask).sum(1).view(-1, 2)  # [b, 2]: chosen, rejected
         ref_seq = (mini.ref_logprobs[r].to(logp.device) * mask).sum(1).view(-1, 2)
         loss, m = algos.dpo_loss(seq[:, 0], seq[:, 1], ref_seq[:, 0], ref_seq[:, 1], self.beta)

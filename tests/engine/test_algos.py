@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.algos import (
+    ADVANTAGE_ESTIMATORS,
     ADVANTAGES,
     KL_ESTIMATORS,
     LOSS_AGGS,
@@ -628,3 +629,87 @@ def test_every_rollout_correction_value_changes_the_loss(kind: str) -> None:
     weights, _ = rollout_correction(R_OLD, rollout, R_MASK, kind, AlgorithmConfig().rollout_correction_cap)
     loss, _ = policy_loss(R_LOGP, R_OLD, R_ADV, R_MASK, norm_len=T, weights=weights)
     assert not torch.allclose(loss, loss_for())
+
+
+# ------------------------------------------------ loss masks: what a multi-turn episode trains on
+
+
+def _with_observations(x: torch.Tensor, at: list[int], width: int, fill: float) -> torch.Tensor:
+    """x [N, T] with `width` columns of `fill` inserted before each column index in `at` (an
+    observation's tokens inside an episode, or a tool's output)."""
+    parts, last = [], 0
+    for a in at:
+        parts += [x[:, last:a], torch.full((x.shape[0], width), fill, dtype=x.dtype)]
+        last = a
+    return torch.cat(parts + [x[:, last:]], 1)
+
+
+def test_masked_tokens_add_nothing_to_any_loss_term_and_observations_change_no_value():
+    """Every loss term, metric and gradient of the sampled tokens is the same with observation
+    tokens (mask 0, holding values that would dominate any term they entered) inserted inside and
+    after the rows: denominators count trained tokens only, and the masked tokens get no gradient."""
+    torch.manual_seed(0)
+    N, T, at, width = 4, 6, [2, 5], 3
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]]).float()
+    base = {k: torch.randn(N, T) * 0.3 for k in ("logp", "old", "adv", "ref", "rollout", "values", "returns",
+                                                    "old_values", "entropy")}
+    base["logp"], base["old"], base["ref"], base["rollout"] = (-base[k].abs() - 0.1 for k in ("logp", "old", "ref",
+                                                                                           "rollout"))
+
+    def terms(t: dict[str, torch.Tensor], m: torch.Tensor) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        logp = t["logp"].clone().requires_grad_()
+        denom = float(m.sum())
+        for kind in POLICY_LOSSES:
+            for agg in LOSS_AGGS:
+                for corr in ("none", "token_tis", "seq_tis"):
+                    w, c = rollout_correction(t["old"], t["rollout"], m, corr, 2.0)
+                    dual = 3.0 if kind != "cispo" else None
+                    loss, metrics = policy_loss(logp, t["old"], t["adv"], m, 0.2, 0.28, dual, agg,
+                                                denom if agg == "token-mean" else None, 8, kind,
+                                                None if corr == "none" else w)
+                    out[f"{kind}/{agg}/{corr}"] = loss
+                    out.update({f"{kind}/{agg}/{corr}/{k}": v for k, v in {**metrics, **c}.items()})
+            for est in KL_ESTIMATORS:
+                out[f"kl/{est}/{agg}"] = agg_loss(kl_penalty(logp, t["ref"], est), m, agg, denom, 8)
+            out[f"entropy/{agg}"] = agg_loss(t["entropy"], m, agg, denom, 8)
+        out["value"], _ = value_loss(t["values"], t["old_values"], t["returns"], m, 0.5, "token-mean", denom)
+        out["grad"] = torch.autograd.grad(sum(v for k, v in out.items() if v.requires_grad), logp)[0]
+        return out
+
+    plain = terms(base, mask)
+    padded_mask = _with_observations(mask, at, width, 0.0)
+    padded = {k: _with_observations(v, at, width, -50.0 if k in ("logp", "old", "ref", "rollout") else 1e3)
+              for k, v in base.items()}
+    with_obs = terms(padded, padded_mask)
+    trained = padded_mask.bool()
+    for k, v in plain.items():
+        if k == "grad":
+            torch.testing.assert_close(with_obs[k][trained], v[mask.bool()], rtol=1e-5, atol=1e-6)
+            assert (with_obs[k][~trained] == 0).all(), "a masked token got a gradient"
+        else:
+            torch.testing.assert_close(with_obs[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_advantages_skip_observation_tokens_inside_an_episode():
+    """Every estimator (GAE and discounted returns with gamma, lam < 1 included) gives the sampled
+    tokens the same advantages with observation tokens inside the rows as without them, and the
+    observations none."""
+    torch.manual_seed(1)
+    N, T, at, width = 4, 6, [2, 4], 2
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]]).float()
+    scores, values, rewards = torch.randn(N), torch.randn(N, T), torch.randn(N, T) * mask
+    padded_mask = _with_observations(mask, at, width, 0.0)
+    pad = lambda x: _with_observations(x, at, width, 7.0)  # noqa: E731
+    trained = padded_mask.bool()
+    adv, ret = gae(rewards, values, mask, 0.9, 0.8)
+    adv2, ret2 = gae(pad(rewards), pad(values), padded_mask, 0.9, 0.8)
+    torch.testing.assert_close(adv2[trained], adv[mask.bool()])
+    torch.testing.assert_close(ret2[trained], ret[mask.bool()])
+    assert (adv2[~trained] == 0).all() and (ret2[~trained] == 0).all()
+    for est in ADVANTAGE_ESTIMATORS:
+        extra = {"baseline": torch.randn(N)} if est == "remax" else {}
+        a = compute_advantages(est, scores, mask, 2, 0.9, **extra)
+        a2 = compute_advantages(est, scores, padded_mask, 2, 0.9, **extra)
+        torch.testing.assert_close(a2[trained], a[mask.bool()], msg=est)
+        assert (a2[~trained] == 0).all(), est

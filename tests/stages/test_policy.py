@@ -221,6 +221,43 @@ def test_rollout_correction_reweighs_the_update(model_dir, data_files, tmp_path)
     assert reweighed["actor/pg_loss"] != pytest.approx(plain["actor/pg_loss"], rel=1e-3)
 
 
+def test_tokens_off_the_loss_mask_move_nothing_in_the_update(model_dir, data_files, tmp_path):
+    """Tokens with loss mask 0 (as an episode's observations are) get no advantage, and what the
+    batch holds for them (advantages, old and rollout logprobs) changes no metric and no gradient of
+    an update with two epochs, an entropy bonus and a rollout correction; the mask itself does."""
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    cfg = load_config(None, [f"reward.function={tmp_path}/length_reward.py:compute_score", "data.prompts_per_step=8",
+                             "actor.mini_batch_prompts=4", "rollout.samples_per_prompt=2", "rollout.max_new_tokens=12",
+                             "data.max_prompt_tokens=16", "actor.grad_clip=1e9", "actor.ppo_epochs=2",
+                             "actor.entropy_coef=0.01", "algorithm.rollout_correction=token_tis"])
+    actor, reward = HybridPolicy(cfg, str(model_dir)), Reward(cfg)
+    prompts, _ = load_prompts([data_files["train"]], actor.tokenizer, 64)
+    batch = reward.score(actor.generate(RolloutRequest(prompts[:8], step=0)))
+    assert torch.equal(batch.loss_mask, batch.response_mask), "a single turn trains every token it sampled"
+    observed = batch.rows(slice(None))
+    hidden = (torch.arange(batch.response_ids.shape[1]) < 2) & batch.response_mask.bool()  # say these were observed
+    observed.loss_mask = batch.response_mask * ~hidden
+    observed = Advantage(cfg).estimate(actor.logprobs(observed))
+    assert (observed.advantages[hidden] == 0).all()
+    assert (observed.advantages[~hidden & batch.loss_mask.bool()] != 0).any()
+    garbage = observed.rows(slice(None))
+    for name in ("advantages", "old_logprobs", "rollout_logprobs"):
+        getattr(garbage, name)[hidden] = -30.0
+    def update(b):  # from the start, with a fresh optimizer: each update is several steps
+        fresh = HybridPolicy(cfg, str(model_dir))
+        m = fresh.update(b.rows(slice(None)), PolicyGradient(cfg)).metrics
+        return m, [p.grad.clone() for p in fresh.engine.model.parameters()]
+
+    (clean, clean_grads), (dirty, dirty_grads) = update(observed), update(garbage)
+    unmasked, _ = update(Advantage(cfg).estimate(actor.logprobs(batch.rows(slice(None)))))
+    for k in clean:
+        if k.startswith(("actor/", "rollout_correction/", "training/")):
+            assert dirty[k] == pytest.approx(clean[k], rel=1e-5, abs=1e-8), k
+    for a, b in zip(dirty_grads, clean_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    assert unmasked["actor/pg_loss"] != pytest.approx(clean["actor/pg_loss"], rel=1e-3)
+
+
 def test_a_bf16_rollout_trains_an_fp32_policy_with_the_gap_corrected(model_dir, data_files):
     """rollout.dtype may differ from model.dtype once a correction is on: the engine samples in
     bf16, the trainer scores in fp32, and the gap that opens is measured and weighed."""
