@@ -186,7 +186,8 @@ class AttnContext:
     sin: torch.Tensor  # [B, S, D]
     cache: KVCache | None = None
     slots: torch.Tensor | None = None  # [B] cache slot of each row (prefill)
-    start: int = 0  # prefill: tokens of these rows already in the cache (a later chunk of a long prompt)
+    start: int | torch.Tensor = 0  # prefill: tokens of these rows already in the cache (a later chunk of
+    # a long prompt, all rows alike); a tensor [B]: per row (the history of a continued sequence)
     kv_lens: torch.Tensor | None = None  # [B] tokens already cached (decode: row i is slot i)
     mask: torch.Tensor | None = None  # [B, 1, 1, W] additive: 0 attend, -inf not (decode; None:
     # the Triton kernel, which reads kv_lens itself)
@@ -262,7 +263,18 @@ class Attention(nn.Module):
             return self.o_proj(self._decode(q, k, v, ctx).reshape(B, S, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
         mask = None
-        if ctx.cache is not None:  # prefill: this chunk goes into its slots after `start` cached tokens
+        if isinstance(ctx.start, torch.Tensor):  # rows continue after cached histories of their own lengths
+            assert ctx.cache is not None and ctx.cache.k is not None and ctx.cache.v is not None, "KV cache released"
+            assert ctx.slots is not None
+            ck, cv = ctx.cache.k[self.layer], ctx.cache.v[self.layer]  # [slots, KV, L, D]
+            cols = ctx.start[:, None] + torch.arange(S, device=q.device)  # [B, S]
+            # a short row's padding lands past its end (clamped into the slot), where decode writes next
+            at = (ctx.slots[:, None], slice(None), cols.clamp(max=ck.shape[2] - 1))
+            ck[at], cv[at] = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, KV, D] at [B, S] -> (slot, col)
+            end = int(cols.max()) + 1
+            k, v = ck[ctx.slots, :, :end], cv[ctx.slots, :, :end]
+            mask = (torch.arange(end, device=q.device) <= cols[:, :, None])[:, None]  # [B, 1, S, end]
+        elif ctx.cache is not None:  # prefill: this chunk goes into its slots after `start` cached tokens
             assert ctx.cache.k is not None and ctx.cache.v is not None, "KV cache released"
             end = ctx.start + S
             ctx.cache.k[self.layer, ctx.slots, :, ctx.start:end] = k
@@ -375,6 +387,7 @@ class NativeCausalLM(nn.Module):
         # history, which would keep every captured step's activations alive
         self.requires_grad_(False)
         self.weights: StableBuffer | None = None  # on CUDA, where `materialize` put every parameter
+        self.writes = 0  # how many times the weights were (re)written: a KV cache made before is stale
 
     def materialize(self, device: str | torch.device, dtype: torch.dtype) -> NativeCausalLM:
         """Uninitialised storage for a model built on the meta device. On CUDA every parameter
@@ -408,6 +421,7 @@ class NativeCausalLM(nn.Module):
 
     def writing_weights(self) -> None:
         """A writer of every parameter starts: map their memory again if it was released."""
+        self.writes += 1
         if self.weights is not None:
             self.weights.restore()
 
@@ -479,10 +493,11 @@ class NativeCausalLM(nn.Module):
         return loaded
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                slots: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+                slots: torch.Tensor | None = None, start: int | torch.Tensor = 0) -> torch.Tensor:
         """Final hidden states [B, S, H] for ids/positions [B, S]: a causal forward over
         right-padded rows, which also writes each row's K/V into cache slot `slots[i]` (prefill),
-        after `start` tokens already cached there (chunked prefill)."""
+        after `start` tokens already cached there (chunked prefill), or `start[i]` for row i (a
+        sequence continued after its cached history)."""
         return self._run(ids, AttnContext(*self._rope(positions), cache, slots, start=start))
 
     def decode(self, ids: torch.Tensor, kv_lens: torch.Tensor, cache: KVCache, width: int) -> torch.Tensor:

@@ -21,7 +21,12 @@ Invariants (those of engine/rollout/base.py, plus):
 - with `memory_fraction` > 0 on CUDA, the KV cache takes at most that fraction of the device's
   free memory, and `max_slots` shrinks to what fits;
 - a call's randomness comes only from a torch.Generator seeded with `params.seed`, and the step
-  schedule is deterministic, so the same seed gives the same samples;
+  schedule is deterministic, so the same seed gives the same samples (from the same histories
+  kept, below: the schedule depends on what prefill can skip);
+- a retired sequence's slot keeps its history (the prompt and every sampled token but the last)
+  until the slot is taken or the weights are written: a later prompt that continues a history
+  exactly (an episode's next turn: history + sampled token + observation) takes that slot and
+  prefills only what is new;
 - with tensor parallelism (`model.tp`), every rank of the TP group must call `generate` with the
   same prompts and params: logits are identical on every rank (the all-reduce's result is), so
   sampling and scheduling stay in lockstep, and `max_slots` is agreed on (the minimum);
@@ -35,6 +40,7 @@ Run: the tests in tests/engine/rollout/test_native.py (CPU, fp32, the tiny embed
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -55,6 +61,7 @@ class _Seq:
     prompt: list[int]
     index: int  # position in the flat output: prompt_i * n + sample_j
     slot: int = -1
+    cached: int = 0  # the prompt's first tokens already in the slot's cache (a continued sequence)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""  # "" while running, then "stop" | "length"
@@ -132,6 +139,15 @@ class NativeRollout:
         self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
         self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, self.model.kv_heads, head_dim(cfg),
                              weight.dtype, self.device)
+        # what each idle slot's cache still holds (ids whose K/V it has, under the weights of
+        # `_writes`), found by (length, last ids): a prompt that continues one prefills the rest only
+        self._cached: dict[int, list[int]] = {}
+        self._index: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._writes = self.model.writes
+        # an idle slot's column 0 as it was cached: idle decode rows scribble there (see `decode`)
+        self._col0 = torch.zeros(2, cfg.num_hidden_layers, max_slots, self.model.kv_heads, head_dim(cfg),
+                                 dtype=weight.dtype, device=self.device)
+        self.prefilled = self.reused = 0  # prompt tokens run through prefill, and found cached instead
         self.phase_s: dict[str, float] | None = None  # set to {} to profile generate (see _lap)
         self._lap_start = 0.0
         # the next decode's inputs per slot, kept on the device (the graphs' static inputs): each
@@ -159,16 +175,21 @@ class NativeRollout:
         self._ids.zero_()  # every slot idle
         self._kv_lens.zero_()
         in_graph = self._samples_in_graph(params)
+        if self.model.writes != self._writes:  # new weights: what the cache holds is another policy's
+            self._forget()
         if self.graphs is not None and (self.max_slots, in_graph) not in self.graphs:
             with torch.inference_mode():  # before any prefill: warm-up decodes scribble on the slots
                 self._capture(in_graph)
+            self._forget()
         if in_graph:
             self._inv_t.fill_(1.0 / params.temperature)
         stops = set(stop_ids(self.tokenizer, params))
         generator = torch.Generator(self.device).manual_seed(params.seed)
         waiting = deque(_Seq(p, i * params.n + j) for i, p in enumerate(prompts) for j in range(params.n))
         done: list[Completion | None] = [None] * len(waiting)
-        free = list(range(self.max_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        # pop() hands out slot 0 first, and slots that hold a history last, the oldest first
+        free = [s for s in range(self.max_slots - 1, -1, -1) if s not in self._cached] + list(self._cached)[::-1]
+        reserved = self._reserve(waiting)
         running: list[_Seq] = []
         rows: torch.Tensor | None = None  # running's slots on the device, while running is unchanged
         ahead: list[_Seq] | None = None  # the sequences of a sampling decode launched before the last was read
@@ -176,7 +197,7 @@ class NativeRollout:
             self._lap("")
             while waiting or running:
                 # schedule: admit what fits, else decode everyone; run; sample; retire
-                admitted = self._admit(waiting, free) if ahead is None else []
+                admitted = self._admit(waiting, free, reserved) if ahead is None else []
                 self._lap("schedule")
                 stepped = admitted or running
                 if in_graph and not admitted:  # one replay: decode, sample, next inputs
@@ -197,7 +218,7 @@ class NativeRollout:
                     self._lap("sample")
                 if any(lp != lp for lp in logprobs_list):  # NaN: sampling from it would be noise
                     raise FloatingPointError("the policy's logits are NaN: its weights hold non-finite values")
-                retired = []
+                retired: list[_Seq] = []
                 for seq, tok, lp in zip(stepped, tokens_list, logprobs_list):
                     if seq.finish:  # retired after a step launched ahead of it: that step's token is void
                         continue
@@ -205,13 +226,14 @@ class NativeRollout:
                     seq.logprobs.append(lp)
                     seq.finish = self._finish(seq, stops, params)
                     if seq.finish:
-                        retired.append(seq.slot)
+                        retired.append(seq)
                         done[seq.index] = Completion(seq.tokens, seq.logprobs, seq.finish)
                 if admitted or retired:
                     running, rows = [s for s in running + admitted if not s.finish], None
                 if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
-                    self._kv_lens[to_device(torch.tensor(retired), self.device)] = 0
-                    free.extend(retired)
+                    self._keep(retired)
+                    self._kv_lens[to_device(torch.tensor([s.slot for s in retired]), self.device)] = 0
+                    free[:0] = [s.slot for s in retired]
                 self._lap("schedule")
         flat = [c for c in done if c is not None]
         return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
@@ -262,21 +284,79 @@ class NativeRollout:
         if any(not p for p in prompts):
             raise ValueError("empty prompt")
 
-    def _admit(self, waiting: deque[_Seq], free: list[int]) -> list[_Seq]:
+    def _admit(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq]) -> list[_Seq]:
         """Move waiting requests into free slots while their distinct prompts fit the padded
-        prefill-token budget; a prompt longer than the budget comes alone (and is chunked)."""
+        prefill-token budget; a prompt longer than the budget comes alone (and is chunked). A prompt
+        that continues what an idle slot holds takes that slot (`reserved` for it) and prefills only
+        the rest; others take a free slot no waiting prompt continues, while there is one."""
         batch: list[_Seq] = []
         prompts: set[int] = set()  # ids of the distinct prompt lists admitted (samples share one)
         width = 0
         while waiting and free:
             seq = waiting[0]
-            width = max(width, len(seq.prompt))
+            cached = seq.cached if reserved.get(seq.slot) is seq else 0
+            width = max(width, len(seq.prompt) - cached)
             if batch and len(prompts | {id(seq.prompt)}) * width > self.max_prefill_tokens:
                 break
             prompts.add(id(waiting.popleft().prompt))
-            seq.slot = free.pop()
+            slot = seq.slot if cached else next((s for s in reversed(free) if s not in reserved), free[-1])
+            evicted = reserved.pop(slot, None)
+            if evicted is not None and evicted is not seq:  # no slot left but one a later prompt continues
+                evicted.cached = 0
+            free.remove(slot)
+            self._forget(slot)
+            seq.slot, seq.cached = slot, cached
             batch.append(seq)
         return batch
+
+    def _reserve(self, waiting: deque[_Seq]) -> dict[int, _Seq]:
+        """{idle slot: the waiting request that continues its history}, at most one request a slot
+        (a prompt's other samples prefill it again from the first one's, see `_prefill`). Those
+        requests move to the front of `waiting`, so the others do not take their slots."""
+        reserved: dict[int, _Seq] = {}
+        lengths = sorted({n for n, _ in self._index})
+        for seq in waiting if self._index else ():
+            slot, cached = self._continued(seq.prompt, lengths)
+            if slot >= 0 and slot not in reserved:
+                reserved[slot], seq.slot, seq.cached = seq, slot, cached
+        if reserved:
+            rest = [s for s in waiting if reserved.get(s.slot) is not s]
+            waiting.clear()
+            waiting.extend(list(reserved.values()) + rest)
+        return reserved
+
+    # -- histories kept in idle slots: a multi-turn episode's next turn prefills its new tokens only
+    TAIL = 16  # ids of a history's end that index it
+
+    def _continued(self, prompt: list[int], lengths: list[int]) -> tuple[int, int]:
+        """(the idle slot whose cached history `prompt` continues, the history's length), the longest
+        such of the cached `lengths` (ascending); (-1, 0) if none. The history must be a strict
+        prefix: the last prompt token is prefilled for its logits."""
+        for length in reversed(lengths[:bisect.bisect_left(lengths, len(prompt))]):
+            slot = self._index.get((length, tuple(prompt[max(0, length - self.TAIL):length])), -1)
+            if slot >= 0 and self._cached[slot] == prompt[:length]:
+                return slot, length
+        return -1, 0
+
+    def _keep(self, retired: list[_Seq]) -> None:
+        """Remember what the retired sequences' slots hold: the prompt and every sampled token but the
+        last (whose K/V no decode wrote), and each slot's column 0 as it is now."""
+        slots = torch.tensor([s.slot for s in retired], device=self.device)
+        assert self.cache.k is not None and self.cache.v is not None
+        self._col0[0][:, slots], self._col0[1][:, slots] = self.cache.k[:, slots, :, 0], self.cache.v[:, slots, :, 0]
+        for s in retired:
+            history = s.prompt + s.tokens[:-1]
+            self._cached[s.slot] = history
+            self._index[(len(history), tuple(history[-self.TAIL:]))] = s.slot
+
+    def _forget(self, slot: int | None = None) -> None:
+        """Drop what `slot` (None: every slot) is known to hold."""
+        for s in list(self._cached) if slot is None else [slot]:
+            history = self._cached.pop(s, None)
+            if history is not None and self._index.get((len(history), tuple(history[-self.TAIL:]))) == s:
+                del self._index[(len(history), tuple(history[-self.TAIL:]))]
+        if slot is None:
+            self._writes = self.model.writes
 
     def _prefill(self, batch: list[_Seq]) -> torch.Tensor:
         """Write prompts into their slots; logits [B, V] at each prompt's last token. A prompt's
@@ -287,20 +367,29 @@ class NativeRollout:
             if id(s.prompt) not in first:
                 first[id(s.prompt)] = len(rows)
                 rows.append(s)
-        lens = [len(s.prompt) for s in rows]
+        lens = [len(s.prompt) - s.cached for s in rows]  # what each row prefills
         ids = torch.zeros(len(rows), max(lens), dtype=torch.long)  # right-padded; pads never attended
         for i, s in enumerate(rows):
-            ids[i, :lens[i]] = torch.tensor(s.prompt)
+            ids[i, :lens[i]] = torch.tensor(s.prompt[s.cached:])
         ids = ids.to(self.device)
-        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         slots = torch.tensor([s.slot for s in rows], device=self.device)
+        cached = torch.tensor([s.cached for s in rows], device=self.device)
+        continued = any(s.cached for s in rows)
+        if continued:  # the histories' column 0 back, over what idle decode rows wrote there
+            assert self.cache.k is not None and self.cache.v is not None
+            self.cache.k[:, slots, :, 0] = self._col0[0][:, slots]
+            self.cache.v[:, slots, :, 0] = self._col0[1][:, slots]
+        positions = cached[:, None] + torch.arange(ids.shape[1], device=self.device)
+        self.prefilled += sum(lens)
+        self.reused += sum(s.cached for s in rows)
         # a prompt over the budget comes alone (see _admit) and goes in chunks: bounded activations
         chunk = self.max_prefill_tokens
         for start in range(0, ids.shape[1], chunk):
             hidden = self.model(ids[:, start:start + chunk], positions[:, start:start + chunk], self.cache, slots,
-                                start)  # [P, S, H]
+                                cached + start if continued else start)  # [P, S, H]
         owner = torch.tensor([first[id(s.prompt)] for s in batch], device=self.device)  # [B]
-        self._share(slots[owner], torch.tensor([s.slot for s in batch], device=self.device), max(lens))
+        self._share(slots[owner], torch.tensor([s.slot for s in batch], device=self.device),
+                    max(len(s.prompt) for s in rows))
         last = torch.tensor(lens, device=self.device) - 1 - start
         return self.model.logits(hidden[torch.arange(len(rows), device=self.device), last])[owner]
 
@@ -403,6 +492,7 @@ class NativeRollout:
         then lost until written again), so training gets the memory."""
         if weights:
             self.model.release_weights()
+        self._forget()
         if self.cache.k is None:
             return
         self.cache.free()

@@ -192,3 +192,31 @@ def test_nan_weights_stop_generation_with_a_clear_error(model_dir, tok):
     for params in (SamplingParams(max_new_tokens=4), SamplingParams(temperature=0, max_new_tokens=4)):
         with pytest.raises(FloatingPointError, match="NaN"):
             engine.generate([tok.encode("1+1=")], params)
+
+
+def test_a_continued_sequence_prefills_only_its_new_tokens(model_dir, hf, tok):
+    """Turn 2 of an episode (turn 1's prompt + its sampled tokens + an observation) prefills the
+    observation and the one sampled token no decode fed, and reads the rest from the slot that
+    turn 1 left: the same tokens and logprobs as an engine that prefills it all, also after idle
+    decode rows scribbled on the slots' column 0. New weights make the cache stale: all again."""
+    first = NativeRollout(model_dir, tok, max_slots=8, max_len=96, max_prefill_tokens=16)
+    turn1 = first.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=1.0, n=2, max_new_tokens=9))
+    samples = [tok.encode(t) + c.token_ids for t, g in zip(TEXTS, turn1) for c in g]  # 10 histories, 8 slots
+    kept = [s[:-1] in first._cached.values() for s in samples]
+    assert sum(kept) == 8, "the last 8 sequences to retire leave their histories in the 8 idle slots"
+    observations = [tok.encode(f" -> {i * 37} ok.") for i in range(len(samples))]
+    turn2 = [s + o for s, o in zip(samples, observations)]
+    first.cache.k[:, :, :, 0] = 7.0  # what idle decode rows do to column 0 (see NativeCausalLM.decode)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    prefilled, reused = first.prefilled, first.reused
+    got = first.generate(turn2, greedy)
+    assert first.reused - reused == sum(len(s) - 1 for s, k in zip(samples, kept) if k)
+    assert first.prefilled - prefilled == sum(1 + len(o) if k else len(t) for o, t, k in zip(observations, turn2, kept))
+    want = NativeRollout(model_dir, tok, max_slots=8, max_len=96).generate(turn2, greedy)
+    for a, b in zip(got, want):
+        assert a[0].token_ids == b[0].token_ids
+        torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=1e-4)
+    first.load_weights(hf.state_dict().items())  # any write: the cached K/V may be another policy's
+    prefilled = first.prefilled
+    first.generate([t + [5] for t in turn2], greedy)
+    assert first.prefilled - prefilled == sum(len(t) + 1 for t in turn2)
