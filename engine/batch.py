@@ -8,9 +8,10 @@ column P-1+t predict response token t for every row alike.
 Invariants:
 - rows of one prompt are contiguous (`group_size` of them), which the group advantages rely on;
 - fields start empty (0-element tensors, empty lists) and each stage fills its own:
-  rollout -> response_*, loss_mask, rollout_logprobs; reward -> scores; reference -> ref_logprobs;
-  critic -> values; policy -> old_logprobs; advantage -> advantages (and, for GAE, the critic's
-  returns; for ReMax, baseline_scores from the scored greedy answers it is given);
+  rollout -> response_*, loss_mask, rollout_logprobs (episodes: env_rewards); reward -> scores;
+  reference -> ref_logprobs; critic -> values; policy -> old_logprobs; advantage -> advantages
+  (and, for GAE, the critic's returns; for ReMax, baseline_scores from the scored greedy answers
+  it is given);
 - `loss_mask` is 1 on the tokens the policy sampled (incl. eos) and 0 on everything else,
   observation and tool tokens of a multi-turn episode included: every loss, KL and entropy term,
   advantage and denominator counts those tokens only. `response_mask` says which response
@@ -47,6 +48,7 @@ class Batch:
     finish_reason: list[str] = field(default_factory=list)  # "stop" | "length"
     prompt_text: list[str] = field(default_factory=list)  # templated prompt, for sample tables
     responses: list[str] = field(default_factory=list)  # decoded, special tokens skipped
+    env_rewards: torch.Tensor = field(default_factory=_empty)  # [N] float32, a multi-turn episode's environment's
     scores: torch.Tensor = field(default_factory=_empty)  # [N] float32
     ref_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]
     old_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]

@@ -64,6 +64,9 @@ class RolloutConfig:
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
     free_cache: bool = False  # release the rollout's KV cache and weights while training (native: CUDA graphs kept)
     tp: int = 1  # native: tensor-parallel size of generation; groups of tp consecutive workers share their prompts
+    env: str = ""  # "module:Class" or "path/file.py:Class": multi-turn episodes with tools (docs/howto/agents.md)
+    max_turns: int = 4  # with env: model turns an episode runs at most, each at most max_new_tokens
+    episode_tokens: int = 256  # with env: response tokens of an episode (its turns and observations), at most
 
 
 @dataclass
@@ -397,10 +400,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"actor.mini_batch_prompts={a.mini_batch_prompts} does not split over "
                           f"placement.workers={p.workers}")
     _validate_sp(cfg)
-    longest = d.max_prompt_tokens + r.max_new_tokens
+    longest = d.max_prompt_tokens + (r.episode_tokens if r.env else r.max_new_tokens)
     if a.micro_batch_tokens_per_gpu < longest:
         raise ConfigError(f"actor.micro_batch_tokens_per_gpu={a.micro_batch_tokens_per_gpu} cannot hold one "
-                          f"sequence of max_prompt_tokens + max_new_tokens = {longest}")
+                          f"sequence of max_prompt_tokens + {'episode_tokens' if r.env else 'max_new_tokens'} = "
+                          f"{longest}")
+    if r.env and (r.max_turns < 1 or r.episode_tokens < r.max_new_tokens or r.tp > 1):
+        raise ConfigError(f"rollout.env needs rollout.max_turns >= 1 (got {r.max_turns}), rollout.episode_tokens >= "
+                          f"rollout.max_new_tokens (got {r.episode_tokens} < {r.max_new_tokens}) and rollout.tp=1")
     if r.dtype != cfg.model.dtype and cfg.algorithm.rollout_correction == "none":
         raise ConfigError(f"rollout.dtype={r.dtype} differs from model.dtype={cfg.model.dtype}: rollout logprobs "
                           "would not match training logprobs; set algorithm.rollout_correction to correct for it")

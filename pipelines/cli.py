@@ -125,7 +125,8 @@ def _check_model_dir(key: str, path: str) -> None:
 
 def check_inputs(cfg: Config, model: bool = True) -> None:
     """Name the first configured input that cannot be read, before MLflow or Ray start: the model
-    directory (`model=False` for eval, whose model is its argument), the data files, the reward."""
+    directory (`model=False` for eval, whose model is its argument), the data files, the reward,
+    the environment."""
     from engine.data.prompts import FORMATS
     from engine.data.rewards import load_function
 
@@ -140,12 +141,14 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
                 raise ConfigError(f"data.{key}: {f}: unsupported file type (expected {'/'.join(FORMATS)})")
     if cfg.reward.model:
         _check_model_dir("reward.model", cfg.reward.model)
-    if cfg.reward.function:
-        try:
-            load_function(cfg.reward.function)
-        except Exception as e:  # the user's module may fail in any way while it is imported
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"reward.function={cfg.reward.function}: {why}") from None
+    for key, spec, what in (("reward.function", cfg.reward.function, "reward function"),
+                            ("rollout.env", cfg.rollout.env, "environment")):
+        if spec:
+            try:
+                load_function(spec, what)
+            except Exception as e:  # the user's module may fail in any way while it is imported
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ConfigError(f"{key}={spec}: {why}") from None
 
 
 def init_ray(cfg: Config) -> None:

@@ -4,7 +4,8 @@ Verb: `score(batch) -> batch` filling `scores` [N] and `reward/*` metrics. A sco
 `reward.rule_weight x rule + reward.model_weight x model(prompt + response)`; a part whose weight
 is 0 is not computed, and each part computed is logged as `reward/rule/mean`, `reward/model/mean`
 (`critic/score/*` is the mix). A failing user function scores 0 and is counted
-(`reward/errors`) unless `reward.on_error=raise`.
+(`reward/errors`) unless `reward.on_error=raise`. A multi-turn episode's environment rewards
+(`rollout.env`) are added to that sum, where `reward.function`, if set, scores the last turn.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class Reward:
     def __init__(self, cfg: Config, device: str = "cpu") -> None:
         rw = cfg.reward
         self.rule_weight, self.model_weight = rw.rule_weight, rw.model_weight if rw.model else 0.0
+        if cfg.rollout.env and not rw.function:  # the environment's rewards, and no built-in scorer
+            self.rule_weight = 0.0
         self.fn = RewardFunction(rw.function, rw.on_error, rw.timeout_s) if self.rule_weight else None
         self.model = (RewardModel(rw.model, cfg.model.dtype, device, cfg.actor.micro_batch_tokens_per_gpu)
                       if self.model_weight else None)
@@ -30,6 +33,9 @@ class Reward:
     def score(self, batch: Batch) -> Batch:
         start = time.perf_counter()
         batch.scores, metrics = self.mix(batch, batch.responses)
+        if batch.env_rewards.numel():  # a multi-turn episode's environment rewards: the function adds to them
+            batch.scores = batch.scores + batch.env_rewards
+            metrics["reward/env/mean"] = float(batch.env_rewards.mean())
         batch.metrics.update(metrics)
         batch.timing["reward"] = time.perf_counter() - start
         return batch

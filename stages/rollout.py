@@ -27,8 +27,10 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from engine.agents.episodes import run_episodes
 from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
+from engine.data.rewards import load_function
 from engine.reshard import WeightBroadcast
 from engine.rollout.base import SamplingParams
 from engine.rollout.build import build_rollout
@@ -44,8 +46,9 @@ class Rollout:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         r = cfg.rollout
         self.tp = TP.over_world(r.tp)  # a TP group generates the prompts of all its ranks at once
+        self.env = load_function(r.env, "environment") if r.env else None
         self.engine = build_rollout(r.backend, self.tokenizer, model_path, r.dtype, device,
-                                    cfg.data.max_prompt_tokens + r.max_new_tokens,
+                                    cfg.data.max_prompt_tokens + (r.episode_tokens if self.env else r.max_new_tokens),
                                     -(-cfg.data.prompts_per_step * r.samples_per_prompt // world) * r.tp,
                                     r.kv_cache_memory, self.tp if r.tp > 1 else None)
         self.weight_version = 0
@@ -59,6 +62,8 @@ class Rollout:
             temperature=0.0 if request.greedy else r.temperature, top_p=r.top_p, top_k=r.top_k,
             n=1 if request.greedy else request.samples or r.samples_per_prompt, max_new_tokens=r.max_new_tokens,
             stop_strings=r.stop_strings, seed=hash((self.cfg.trainer.seed, request.step, self.rank // r.tp)) % 2**31)
+        if self.env is not None:
+            return self._episodes(request, params, start)
         prompts, mine = self._tp_prompts([p.ids for p in request.prompts])
         # a rank may have no prompts (validation of fewer prompts than ranks); with TP it still
         # generates its group's
@@ -84,6 +89,34 @@ class Rollout:
         peak_memory("gen", batch.metrics)
         if self.link is not None:
             batch.metrics["perf/weight_sync_gb"] = self.link.bytes_per_push / 1e9  # what each push moves
+        return batch
+
+    def _episodes(self, request: RolloutRequest, params: SamplingParams, start: float) -> Batch:
+        """`rollout.env`'s multi-turn episodes (engine/agents/episodes.py) as rows: each response is
+        an episode's turns and observations, `loss_mask` 1 on its sampled tokens only."""
+        r, rw = self.cfg.rollout, self.cfg.reward
+        episodes, metrics = run_episodes(self.engine, self.tokenizer, request.prompts, params, self.env, r.max_turns,
+                                         r.episode_tokens, rw.timeout_s, rw.on_error)
+        n = params.n
+        pids, pmask = left_pad([p.ids for p in request.prompts], self.tokenizer.pad_token_id)
+        expand = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        batch = Batch(
+            prompt_ids=pids.repeat_interleave(n, 0), prompt_mask=pmask.repeat_interleave(n, 0), group_size=n,
+            data_source=expand([p.data_source for p in request.prompts]),
+            ground_truth=expand([p.ground_truth for p in request.prompts]),
+            extra_info=expand([p.extra_info for p in request.prompts]),
+            response_ids=right_pad([e.ids for e in episodes], self.tokenizer.pad_token_id, torch.long),
+            response_mask=right_pad([[1.0] * len(e.ids) for e in episodes], 0.0, torch.float32),
+            loss_mask=right_pad([e.mask for e in episodes], 0.0, torch.float32),
+            rollout_logprobs=right_pad([e.logprobs for e in episodes], 0.0, torch.float32),
+            finish_reason=["length" if e.truncated else "stop" for e in episodes],
+            prompt_text=expand([p.text for p in request.prompts]), responses=[e.answer for e in episodes],
+            env_rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
+            step=request.step, weight_version=self.weight_version,
+        )
+        batch.metrics.update(metrics)
+        batch.timing["gen"] = time.perf_counter() - start
+        peak_memory("gen", batch.metrics)
         return batch
 
     def _tp_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:

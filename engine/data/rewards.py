@@ -45,34 +45,34 @@ _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 _PYTHON_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
 
 
-def load_function(spec: str) -> Callable:
-    """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"`` to a callable."""
+def load_function(spec: str, what: str = "reward function") -> Callable:
+    """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"`` to a callable (a
+    class too: an environment is named the same way)."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
-        raise ValueError(f"reward function spec {spec!r} must be 'package.module:function' "
-                         "or 'path/to/file.py:function'")
-    module = _load_file(where) if where.endswith(".py") or "/" in where else _import(where)
+        raise ValueError(f"{what} spec {spec!r} must be 'package.module:name' or 'path/to/file.py:name'")
+    module = _load_file(where, what) if where.endswith(".py") or "/" in where else _import(where, what)
     fn = getattr(module, name, None)
     if fn is None:
-        raise ValueError(f"{where!r} has no function {name!r} (from reward spec {spec!r})")
+        raise ValueError(f"{where!r} has no {name!r} (from {what} spec {spec!r})")
     if not callable(fn):
-        raise TypeError(f"{where}:{name} is a {type(fn).__name__}, not a function")
+        raise TypeError(f"{where}:{name} is a {type(fn).__name__}, not a function or class")
     return fn
 
 
-def _import(name: str) -> Any:
+def _import(name: str, what: str) -> Any:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name is not None and (name == e.name or name.startswith(e.name + ".")):  # not a dependency
-            raise ValueError(f"cannot import reward module {name!r}: {e}") from e
+            raise ValueError(f"cannot import {what} module {name!r}: {e}") from e
         raise
 
 
-def _load_file(path: str) -> Any:
+def _load_file(path: str, what: str) -> Any:
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"reward function file not found: {path}")
+        raise ValueError(f"{what} file not found: {path}")
     # Not registered in sys.modules, so cloudpickle ships the function by value to Ray workers.
     module_spec = importlib.util.spec_from_file_location(f"rlflow_reward_{file.stem}", file)
     if module_spec is None or module_spec.loader is None:

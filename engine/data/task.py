@@ -21,6 +21,7 @@ import random
 import string
 import sys
 from pathlib import Path
+from typing import Any
 
 DATA_SOURCE = "arith"
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
@@ -47,13 +48,14 @@ def build_tokenizer(chars: str | None = None):
 
 
 def build_model(out_dir: str | Path, seed: int = 0, hidden: int = 128, layers: int = 4,
-                chars: str | None = None) -> Path:
-    """Write a fresh Qwen2-architecture model + tokenizer (over `chars`) as a HF directory; returns its path."""
+                chars: str | None = None, tokenizer: Any = None) -> Path:
+    """Write a fresh Qwen2-architecture model + tokenizer (`tokenizer`, or the character-level one
+    over `chars`) as a HF directory; returns its path."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
     out = Path(out_dir)
-    tok = build_tokenizer(chars)
+    tok = tokenizer or build_tokenizer(chars)
     cfg = Qwen2Config(
         vocab_size=len(tok),
         hidden_size=hidden,

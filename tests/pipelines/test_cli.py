@@ -44,6 +44,9 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         ([f"reward.function={tmp / 'broken.py'}:f"], "No module named 'not_a_module_anywhere'"),
         (["reward.function=os.path:sep"], "not a function"),
         (["reward.model=/nope"], "reward.model=/nope: no such directory"),
+        (["rollout.env=nomod:Env"], "rollout.env=nomod:Env: cannot import environment module 'nomod'"),
+        ([f"rollout.env={tmp / 'missing.py'}:Env"], "environment file not found"),
+        (["rollout.env=engine.agents.env:NoSuchEnv"], "has no 'NoSuchEnv'"),
     ]
 
 

@@ -73,8 +73,8 @@ def test_load_function_from_file(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("spec, match", [
-    ("no_colon_here", "package.module:function"),
-    ("engine.data.task:", "package.module:function"),
+    ("no_colon_here", "package.module:name"),
+    ("engine.data.task:", "package.module:name"),
     ("engine.data.task:not_there", "not_there"),
     ("no_such_module_xyz:f", "no_such_module_xyz"),
     ("/nonexistent/dir/r.py:f", "not found"),

@@ -1,0 +1,46 @@
+"""Tool calls read from a model's text, and what comes back when they fail."""
+
+import pytest
+
+from engine.agents.tools import CALCULATOR, Tool, calculate, parse_compact, parse_hermes, run_call
+
+TOOLS = {CALCULATOR.name: CALCULATOR}
+
+
+def test_calculator_is_arithmetic_only():
+    assert calculate("123*456") == "56088" and calculate("(7 - 2) / 2") == "2.5" and calculate("8/4") == "2"
+    assert calculate("-3 ** 2") == "-9" and calculate("17 // 5 % 3") == "0"
+    for bad in ("__import__('os')", "open('x')", "a + 1", "9 ** 9 ** 9", "'x' * 3", "True + 1"):
+        with pytest.raises((ValueError, SyntaxError)):
+            calculate(bad)
+
+
+def test_hermes_calls_and_their_failures_become_readable_results():
+    text = ('Let me compute. <tool_call>{"name": "calc", "arguments": {"expression": "12*12"}}</tool_call>'
+            '<tool_call>{"name": "calc", "arguments": "{\\"expression\\": \\"2+2\\"}"}</tool_call>'
+            '<tool_call>{"name": "calc", "arguments": {"expression": "1+"</tool_call>'
+            '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>'
+            '<tool_call>["calc"]</tool_call>'
+            '<tool_call>{"name": "calc", "arguments": {"expression": "1/0"}}</tool_call>')
+    results = [run_call(c, TOOLS) for c in parse_hermes(text)]
+    assert [(r.content, r.error) for r in results[:2]] == [("144", False), ("4", False)]
+    assert results[2].error and "not valid JSON" in results[2].content
+    assert results[3].error and "no tool named 'search'" in results[3].content and "calc" in results[3].content
+    assert results[4].error and '{"name": str' in results[4].content
+    assert results[5].error and "ZeroDivisionError" in results[5].content
+    assert parse_hermes("no call here") == []
+
+
+def test_compact_calls_pass_one_argument_to_the_first_parameter():
+    calls = parse_compact("so <<calc 123*456>> then <<calc 2+>> and <<nope 1>>")
+    results = [run_call(c, TOOLS) for c in calls]
+    assert [r.content for r in results][0] == "56088" and not results[0].error
+    assert results[1].error and results[2].error
+    echo = Tool("echo", "echo", {"type": "object", "properties": {"text": {"type": "string"}}}, lambda text: text[::-1])
+    assert run_call(parse_compact("<<echo abc>>")[0], {"echo": echo}).content == "cba"
+
+
+def test_a_tool_is_described_the_way_chat_templates_take_it():
+    schema = CALCULATOR.schema()
+    assert schema["type"] == "function" and schema["function"]["name"] == "calc"
+    assert schema["function"]["parameters"]["required"] == ["expression"]
