@@ -89,14 +89,20 @@ def parse(args: list[str], job: str = "rl") -> Config:
 
 def resolve_files(cfg: Config) -> dict[str, list[str]]:
     """{"train": [...], "val": [...]} data files, building the embedded ones on first use
-    (preference pairs for DPO, prompts otherwise)."""
+    (preference pairs for DPO; with the embedded agent task's environment, its problems and, under
+    "demos", the demonstrations its warm start learns from; prompts otherwise)."""
+    from engine.agents import calc
     from engine.data.prompts import embedded_files, embedded_pair_files
 
     root = Path(cfg.trainer.output_dir) / "embedded"
-    build = embedded_pair_files if cfg.algorithm.name == "dpo" else embedded_files
+    build = embedded_pair_files if cfg.algorithm.name == "dpo" else \
+        calc.embedded_files if cfg.rollout.env == calc.ENV else embedded_files
     built = build(root, cfg.trainer.seed) if EMBEDDED in cfg.data.train_files + cfg.data.val_files else {}
-    return {split: [built[split] if f == EMBEDDED else f for f in getattr(cfg.data, f"{split}_files")]
-            for split in ("train", "val")}
+    files = {split: [built[split] if f == EMBEDDED else f for f in getattr(cfg.data, f"{split}_files")]
+             for split in ("train", "val")}
+    if "demos" in built and EMBEDDED in cfg.data.train_files:
+        files["demos"] = [built["demos"]]
+    return files
 
 
 def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
@@ -255,7 +261,7 @@ def train(cfg: Config) -> dict[str, str]:
             export = dpo.train(cfg, model_path, files, tracker)
         else:
             if cfg.warmstart.steps:
-                model_path = sft.warm_start(cfg, model_path, files["train"], tracker)
+                model_path = sft.warm_start(cfg, model_path, files["train"], tracker, files.get("demos"))
             export = grpo.train(cfg, model_path, files, tracker)
         if cfg.trainer.register_model:
             version = tracker.register_model(str(export), cfg.trainer.register_model)

@@ -34,7 +34,7 @@ from transformers import AutoTokenizer
 
 from engine.batch import Batch, Update
 from engine.config import Config, override
-from engine.data.prompts import Pair, PromptLoader, load_pairs, pairs_batch
+from engine.data.prompts import Example, Pair, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
 from engine.train.losses import Preference
 from pipelines import driver
@@ -117,7 +117,7 @@ def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Pair], di
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
     """`warmstart.steps` supervised steps on the training pairs' chosen answers; returns the HF directory."""
     pairs, _, pad_id = load(cfg, model_path, train_files)
-    return supervised(cfg, model_path, [(p.prompt, p.chosen) for p in pairs], pad_id, tracker)
+    return supervised(cfg, model_path, [Example(p.prompt, p.chosen) for p in pairs], pad_id, tracker)
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:

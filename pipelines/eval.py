@@ -26,6 +26,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from engine.agents.env import offered_tools
 from engine.batch import Batch
 from engine.config import Config
 from engine.data.prompts import load_prompts
@@ -59,7 +60,8 @@ def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[lis
 def evaluate(cfg: Config, model_dir: Path, files: list[str], tracker: Tracker) -> dict[str, float]:
     """Score `model_dir` on `files`; logs and returns the metrics."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts, counts = load_prompts(files, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
+    prompts, counts = load_prompts(files, tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts,
+                                   offered_tools(cfg.rollout.env))
     prompts = prompts[:cfg.data.val_max_prompts or None]
     greedy, sampled = generate_and_score(cfg, model_dir, prompts)
     k = cfg.rollout.samples_per_prompt

@@ -46,6 +46,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine import algos
+from engine.agents.env import offered_tools
 from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
 from engine.data.prompts import Prompt, PromptLoader, load_prompts
@@ -298,9 +299,10 @@ class GRPO:
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:
     """The RL run; returns the exported HF directory of the final policy."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tools = offered_tools(cfg.rollout.env)
     train_prompts, counts = load_prompts(files["train"], tokenizer, cfg.data.max_prompt_tokens,
-                                         cfg.data.overlong_prompts)
-    val_prompts, _ = load_prompts(files["val"], tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts)
+                                         cfg.data.overlong_prompts, tools)
+    val_prompts, _ = load_prompts(files["val"], tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts, tools)
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(train_prompts, cfg.data.prompts_per_step, cfg.trainer.seed)
     return driver.run(cfg, GRPO(cfg, model_path, val_prompts[:cfg.data.val_max_prompts or None]), loader, tracker)

@@ -42,6 +42,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from engine.agents.env import offered_tools
 from engine.batch import Batch, Update
 from engine.config import Config, override
 from engine.data.prompts import Example, Prompt, PromptLoader, examples_batch, load_examples, load_prompts
@@ -84,7 +85,7 @@ class SFT:
 
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
         examples = loader.next_batch()
-        self.tokens = sum(len(p) + len(r) for p, r in examples)
+        self.tokens = sum(len(e.prompt) + len(e.response) for e in examples)
         return shard(examples, stages.workers, self.pad_id), {}
 
     def metrics(self, outputs: list[Update], seconds: float) -> dict[str, float]:
@@ -110,10 +111,14 @@ class SFT:
 
 
 def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Example], dict[str, int], int]:
-    """The usable examples of `files`, skip counts, and the pad token id; responses fit `rollout.max_new_tokens`."""
+    """The usable examples of `files`, skip counts, and the pad token id; responses fit
+    `rollout.max_new_tokens` (with `rollout.env`, demonstrations fit `rollout.episode_tokens` and see
+    its tools)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    examples, counts = load_examples(files, tokenizer, cfg.data.max_prompt_tokens, cfg.rollout.max_new_tokens,
-                                     cfg.data.overlong_prompts)
+    r = cfg.rollout
+    examples, counts = load_examples(files, tokenizer, cfg.data.max_prompt_tokens,
+                                     r.episode_tokens if r.env else r.max_new_tokens, cfg.data.overlong_prompts,
+                                     offered_tools(r.env))
     return examples, counts, tokenizer.pad_token_id
 
 
@@ -135,15 +140,16 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     return driver.run(cfg, SFT(cfg, model_path, pad_id, shard(val_examples, workers, pad_id)), loader, tracker)
 
 
-def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
+def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker,
+               demos: list[str] | None = None) -> str:
     """Supervised steps from `model_path` on the training rows' responses (a prompt row's ground
-    truth) before RL, up to `warmstart.stop_accuracy` on held-out training prompts; returns the new
-    HF directory."""
-    examples, _, pad_id = load(cfg, model_path, train_files)
+    truth; or the rows of `demos`) before RL, up to `warmstart.stop_accuracy` on held-out training
+    prompts; returns the new HF directory."""
+    examples, _, pad_id = load(cfg, model_path, demos or train_files)
     dev: list[Prompt] = []
     if cfg.warmstart.stop_accuracy:
         prompts, _ = load_prompts(train_files, AutoTokenizer.from_pretrained(model_path), cfg.data.max_prompt_tokens,
-                                  cfg.data.overlong_prompts)
+                                  cfg.data.overlong_prompts, offered_tools(cfg.rollout.env))
         examples, dev = hold_out(examples, prompts, DEV_PROMPTS, cfg.trainer.seed)
     return supervised(cfg, model_path, examples, pad_id, tracker, dev)
 
@@ -189,7 +195,7 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
             begin = time.perf_counter()
             batch = rng.sample(examples, w.batch_size)
             metrics = step_metrics(run_step([examples_batch(batch, pad_id)]), time.perf_counter() - begin,
-                                   sum(len(p) + len(r) for p, r in batch), 1)
+                                   sum(len(e.prompt) + len(e.response) for e in batch), 1)
             if step % 10 == 0 or step == w.steps - 1:
                 tracker.log_metrics({f"warmstart/{k[4:]}": v for k, v in metrics.items() if k.startswith("sft/")},
                                     step=step)

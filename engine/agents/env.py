@@ -43,6 +43,16 @@ class Step:
     done: bool = False
 
 
+def offered_tools(spec: str) -> list[dict] | None:
+    """The JSON-schema descriptions of the tools the environment class `spec` offers (None: no
+    environment or no tools): what the chat template renders into its prompts."""
+    if not spec:
+        return None
+    from engine.data.rewards import load_function
+
+    return [tool.schema() for tool in getattr(load_function(spec, "environment"), "tools", [])] or None
+
+
 class CallTimeout(TimeoutError):
     """A user call ran past its deadline; the call itself may still be running, abandoned."""
 

@@ -6,7 +6,7 @@ tokenizer's chat template (`tools=`), so the model sees them the way it was trai
 turns a model turn's text into calls:
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the form of Hermes and
   Qwen2.5/Qwen3 chat templates (several calls a turn allowed);
-- `compact`: `<<name argument>>`, one string argument, for small models whose every character
+- `compact`: `<<name:argument>>`, one string argument, for small models whose every character
   is a token (the embedded agent task); a tool's first parameter gets the argument.
 
 Invariants:
@@ -58,7 +58,7 @@ class ToolResult:
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_COMPACT = re.compile(r"<<(\w+)\s?(.*?)>>", re.DOTALL)
+_COMPACT = re.compile(r"<<(\w+):(.*?)>>", re.DOTALL)
 
 
 def parse_hermes(text: str) -> list[ToolCall]:

@@ -23,7 +23,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import datasets
 import numpy as np
@@ -134,20 +134,22 @@ def _load(files: list[str], make: Any, overlong: str, what: str) -> tuple[list, 
     return items, dict(counts)
 
 
-def _prompt_ids(tokenizer: Any, messages: list[dict], max_prompt_tokens: int) -> tuple[list[int], str]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def _prompt_ids(tokenizer: Any, messages: list[dict], max_prompt_tokens: int,
+                tools: list[dict] | None = None) -> tuple[list[int], str]:
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template placed specials
     if len(ids) > max_prompt_tokens:
         raise _Overlong(f"prompt is {len(ids)} tokens, over max_prompt_tokens={max_prompt_tokens}")
     return list(ids), text
 
 
-def load_prompts(files: list[str], tokenizer: Any, max_prompt_tokens: int,
-                 overlong: str = "skip") -> tuple[list[Prompt], dict[str, int]]:
-    """Every usable row of ``files``, in file then row order, and counts of what was skipped."""
+def load_prompts(files: list[str], tokenizer: Any, max_prompt_tokens: int, overlong: str = "skip",
+                 tools: list[dict] | None = None) -> tuple[list[Prompt], dict[str, int]]:
+    """Every usable row of ``files``, in file then row order, and counts of what was skipped; `tools`
+    (JSON-schema function descriptions) are offered through the chat template."""
     def make(row: dict) -> Prompt:
         messages, data_source, truth, extra_info = _fields(row)
-        ids, text = _prompt_ids(tokenizer, messages, max_prompt_tokens)
+        ids, text = _prompt_ids(tokenizer, messages, max_prompt_tokens, tools)
         return Prompt(ids, data_source, truth, extra_info, text)
 
     return _load(files, make, overlong, "prompt")
@@ -193,12 +195,17 @@ def load_pairs(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_res
     return _load(files, make, overlong, "pair")
 
 
-Example = tuple[list[int], list[int]]  # ([P] templated prompt tokens, [R] response tokens ending in eos)
+class Example(NamedTuple):
+    prompt: list[int]  # [P] templated prompt tokens
+    response: list[int]  # [R] response tokens, each assistant turn ending in eos
+    trained: list[float] | None = None  # [R] 1 on assistant tokens, 0 on tool/user turns; None: all 1
 
 
 def load_examples(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_response_tokens: int,
-                  overlong: str = "skip") -> tuple[list[Example], dict[str, int]]:
-    """Supervised examples: rows with ``prompt`` and ``response`` (a string), or prompt rows whose
+                  overlong: str = "skip", tools: list[dict] | None = None) -> tuple[list[Example], dict[str, int]]:
+    """Supervised examples: rows with ``prompt`` and ``response`` (a string; or, for a multi-turn
+    demonstration, chat messages: assistant turns, trained on, and tool or user turns between them,
+    rendered by the chat template with `tools` offered and not trained on), or prompt rows whose
     ``reward_model.ground_truth`` is the response; eos is appended. Skips are counted like
     ``load_prompts``'s."""
     def make(row: dict) -> Example:
@@ -206,6 +213,9 @@ def load_examples(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_
         if row.get("data_source") is not None:
             _text(row["data_source"], "data_source")
         text = row.get("response")
+        if isinstance(text, (list, np.ndarray)):  # a multi-turn demonstration
+            return _demonstration(tokenizer, messages, _messages(list(text)), tools, max_prompt_tokens,
+                                  max_response_tokens)
         if text is None:  # a prompt row: its ground truth is the whole answer
             reward_model = row.get("reward_model")
             text = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
@@ -213,9 +223,34 @@ def load_examples(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_
                 raise _Skip("missing_response")
             text = text if isinstance(text, (str, bytes)) else str(text)
         response = _answer(tokenizer, _text(text, "response"), "response", max_response_tokens)
-        return _prompt_ids(tokenizer, messages, max_prompt_tokens)[0], response
+        return Example(_prompt_ids(tokenizer, messages, max_prompt_tokens, tools)[0], response)
 
     return _load(files, make, overlong, "example")
+
+
+def _demonstration(tokenizer: Any, prompt: list[dict], turns: list[dict], tools: list[dict] | None,
+                   max_prompt_tokens: int, max_response_tokens: int) -> Example:
+    """A multi-turn example as an episode holds it (engine/agents/episodes.py): each assistant turn
+    its content's tokens and eos, trained; the turns between, rendered as observations, not."""
+    from engine.agents.episodes import Renderer
+
+    render = Renderer(tokenizer, tools)
+    ids: list[int] = []
+    trained: list[float] = []
+    i = 0
+    while i < len(turns):
+        if turns[i]["role"] == "assistant":
+            part = tokenizer.encode(turns[i]["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            ids, trained, i = ids + part, trained + [1.0] * len(part), i + 1
+            continue
+        j = next((k for k in range(i, len(turns)) if turns[k]["role"] == "assistant"), len(turns))
+        part = render(turns[i:j], ended=True)
+        ids, trained, i = ids + part, trained + [0.0] * len(part), j
+    if not any(trained):
+        raise _Skip("no_assistant_turn")
+    if len(ids) > max_response_tokens:
+        raise _Overlong(f"demonstration is {len(ids)} tokens, over its budget of {max_response_tokens}")
+    return Example(_prompt_ids(tokenizer, prompt, max_prompt_tokens, tools)[0], ids, trained)
 
 
 def pairs_batch(pairs: list[Pair], pad_id: int) -> Batch:
@@ -228,8 +263,14 @@ def pairs_batch(pairs: list[Pair], pad_id: int) -> Batch:
 
 
 def examples_batch(examples: list[Example], pad_id: int) -> Batch:
-    """One row per supervised example (group_size 1)."""
-    return _rows([p for p, _ in examples], [r for _, r in examples], pad_id, 1)
+    """One row per supervised example (group_size 1); a demonstration's tool and user turns have
+    loss mask 0."""
+    batch = _rows([e.prompt for e in examples], [e.response for e in examples], pad_id, 1)
+    if any(e.trained is not None for e in examples):
+        batch.loss_mask = torch.zeros_like(batch.response_mask)
+        for i, e in enumerate(examples):
+            batch.loss_mask[i, :len(e.response)] = torch.tensor(e.trained or [1.0] * len(e.response))
+    return batch
 
 
 def _rows(prompts: list[list[int]], answers: list[list[int]], pad_id: int, group_size: int) -> Batch:

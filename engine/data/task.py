@@ -25,8 +25,13 @@ from typing import Any
 
 DATA_SOURCE = "arith"
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
-# Concatenate message contents; the prompt itself ends in "=", which cues the answer.
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+# User (and system) contents concatenated: the prompt itself ends in "=", which cues the answer.
+# An assistant turn ends with eos, a tool's result comes in brackets, and offered tools are named
+# in angle brackets first (the embedded agent task: engine/agents/calc.py).
+CHAT_TEMPLATE = ("{% for tool in tools or [] %}<{{ tool['function']['name'] }}>{% endfor %}"
+                 "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ message['content'] }}"
+                 "<|endoftext|>{% elif message['role'] == 'tool' %}[{{ message['content'] }}]"
+                 "{% else %}{{ message['content'] }}{% endif %}{% endfor %}")
 
 
 def build_tokenizer(chars: str | None = None):

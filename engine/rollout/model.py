@@ -271,7 +271,7 @@ class Attention(nn.Module):
             # a short row's padding lands past its end (clamped into the slot), where decode writes next
             at = (ctx.slots[:, None], slice(None), cols.clamp(max=ck.shape[2] - 1))
             ck[at], cv[at] = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, KV, D] at [B, S] -> (slot, col)
-            end = int(cols.max()) + 1
+            end = min(int(cols.max()) + 1, ck.shape[2])  # a short row's padding may run past the slot's end
             k, v = ck[ctx.slots, :, :end], cv[ctx.slots, :, :end]
             mask = (torch.arange(end, device=q.device) <= cols[:, :, None])[:, None]  # [B, 1, S, end]
         elif ctx.cache is not None:  # prefill: this chunk goes into its slots after `start` cached tokens

@@ -195,7 +195,7 @@ class Calculating:
 
 def test_tool_calls_in_a_turn_become_its_observation_and_failures_are_counted(model_dir):
     acted = [(Episode(None, env=Calculating(None)), text, True) for text in
-             ["<<calc 123*456>>", "<<calc 123*>>", "<<search x>>", "56088", "<<calc 1+1>><<calc 2+2>>"]]
+             ["<<calc:123*456>>", "<<calc:123*>>", "<<search:x>>", "56088", "<<calc:1+1>><<calc:2+2>>"]]
     observations = _respond(acted, PARSERS["compact"], {"calc": CALCULATOR}, 1.0, "zero")
     assert observations[0] == [{"role": "tool", "name": "calc", "content": "56088"}]
     assert observations[1][0]["content"].startswith("error: SyntaxError")

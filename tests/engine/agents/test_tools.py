@@ -32,12 +32,12 @@ def test_hermes_calls_and_their_failures_become_readable_results():
 
 
 def test_compact_calls_pass_one_argument_to_the_first_parameter():
-    calls = parse_compact("so <<calc 123*456>> then <<calc 2+>> and <<nope 1>>")
+    calls = parse_compact("so <<calc:123*456>> then <<calc:2+>> and <<nope:1>>")
     results = [run_call(c, TOOLS) for c in calls]
     assert [r.content for r in results][0] == "56088" and not results[0].error
     assert results[1].error and results[2].error
     echo = Tool("echo", "echo", {"type": "object", "properties": {"text": {"type": "string"}}}, lambda text: text[::-1])
-    assert run_call(parse_compact("<<echo abc>>")[0], {"echo": echo}).content == "cba"
+    assert run_call(parse_compact("<<echo:abc>>")[0], {"echo": echo}).content == "cba"
 
 
 def test_a_tool_is_described_the_way_chat_templates_take_it():

@@ -14,10 +14,12 @@ from transformers import AutoTokenizer
 
 from engine.data import task
 from engine.data.prompts import (
+    Example,
     Pair,
     Prompt,
     PromptLoader,
     embedded_files,
+    examples_batch,
     load_examples,
     load_pairs,
     load_prompts,
@@ -213,10 +215,28 @@ def test_sft_loader_takes_response_rows_and_ground_truth_rows(tmp_path, tokenize
     assert "skipped 6 of 9 example rows" in caplog.text
     eos = tokenizer.eos_token_id
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
-    assert examples == [(enc("2+2="), enc("4") + [eos]), (enc("5+6="), enc("11") + [eos]),
-                        (enc("1+2="), enc("7") + [eos])]  # the ground truth 7 (an int) as the response
+    assert examples == [Example(enc("2+2="), enc("4") + [eos]), Example(enc("5+6="), enc("11") + [eos]),
+                        Example(enc("1+2="), enc("7") + [eos])]  # the ground truth 7 (an int) as the response
     with pytest.raises(ValueError, match=r"row 7: response is 9 tokens.*examples are never truncated"):
         load_examples([str(tmp_path / "s.jsonl")], tokenizer, 8, 4, overlong="error")
+
+
+def test_a_multi_turn_demonstration_trains_its_assistant_turns_only(tmp_path, tokenizer) -> None:
+    """A `response` of chat turns: each assistant turn is its content and eos, trained; a tool turn
+    between is rendered by the chat template (the embedded one brackets it), not trained."""
+    turns = [{"role": "assistant", "content": "<<calc:6*7>>"}, {"role": "tool", "content": "42"},
+             {"role": "assistant", "content": "42"}]
+    rows = [{"prompt": "6*7=", "response": turns}, {"prompt": "1*1=", "response": [{"role": "tool", "content": "1"}]}]
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    examples, counts = load_examples([write_jsonl(tmp_path / "d.jsonl", rows)], tokenizer, 16, 32, tools=tools)
+    assert counts["malformed/no_assistant_turn"] == 1
+    eos, enc = tokenizer.eos_token_id, lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    call, result, answer = enc("<<calc:6*7>>") + [eos], enc("[42]"), enc("42") + [eos]
+    assert examples[0] == Example(enc("<calc>6*7="), call + result + answer,
+                                  [1.0] * len(call) + [0.0] * len(result) + [1.0] * len(answer))
+    batch = examples_batch(examples + [Example(enc("2+2="), enc("4") + [eos])], 0)
+    assert batch.loss_mask[0, :len(call) + len(result) + len(answer)].tolist() == examples[0].trained
+    assert batch.loss_mask[1].tolist() == batch.response_mask[1].tolist(), "a plain example trains every token"
 
 
 def test_pairs_batch_keeps_each_pair_together(tokenizer) -> None:

@@ -220,3 +220,21 @@ def test_a_continued_sequence_prefills_only_its_new_tokens(model_dir, hf, tok):
     prefilled = first.prefilled
     first.generate([t + [5] for t in turn2], greedy)
     assert first.prefilled - prefilled == sum(len(t) + 1 for t in turn2)
+
+
+def test_continued_rows_of_very_different_lengths_share_a_prefill(model_dir, tok):
+    """One continued row near the end of its slot, another with a long new part: the short row's
+    padding runs past its slot's end and is clamped there, and both match a full prefill."""
+    engine = NativeRollout(model_dir, tok, max_slots=4, max_len=40)
+    long_prompt, short_prompt = tok.encode("12+34=46, 56+78=134, 9+9="), tok.encode("1+1=")
+    first = engine.generate([long_prompt, short_prompt], SamplingParams(temperature=0.0, max_new_tokens=6))
+    turn2 = [long_prompt + first[0][0].token_ids + tok.encode("!"),
+             short_prompt + first[1][0].token_ids + tok.encode(" then 2+2=? and 3+3=?")]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    reused = engine.reused
+    got = engine.generate(turn2, greedy)
+    assert engine.reused - reused == len(turn2[0]) - 2 + len(turn2[1]) - 1 - len(tok.encode(" then 2+2=? and 3+3=?"))
+    want = NativeRollout(model_dir, tok, max_slots=4, max_len=40).generate(turn2, greedy)
+    for a, b in zip(got, want):
+        assert a[0].token_ids == b[0].token_ids
+        torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=1e-4)
