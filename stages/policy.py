@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -127,7 +128,8 @@ class Policy:
             return Update(metrics, batch.timing, [], self.weight_version)
         metrics["rollout/weight_version"] = batch.weight_version
         metrics["async/staleness"] = staleness  # weight versions between the sampling policy and the trained one
-        return Update({**batch_metrics(batch), **metrics}, batch.timing, samples(batch, 4), self.weight_version)
+        return Update({**batch_metrics(batch), **metrics}, batch.timing, samples(batch, 4, self.tokenizer),
+                      self.weight_version)
 
     def evaluate(self, batch: Batch, loss: Evaluated) -> Update:
         """`loss`'s metrics of the current weights on `batch`, without a step."""
@@ -254,7 +256,24 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
     return out
 
 
-def samples(batch: Batch, k: int) -> list[dict]:
-    return [{"prompt": batch.prompt_text[i], "response": batch.responses[i], "ground_truth": batch.ground_truth[i],
+def samples(batch: Batch, k: int, tokenizer: Any = None) -> list[dict]:
+    """The first sample of each of the first `k` prompts; a multi-turn episode's whole response
+    (with `tokenizer`) under "episode", what the policy did not sample in [[double brackets]]."""
+    rows = [{"prompt": batch.prompt_text[i], "response": batch.responses[i], "ground_truth": batch.ground_truth[i],
              "score": float(batch.scores[i]), "finish_reason": batch.finish_reason[i]}
             for i in range(0, len(batch), max(1, batch.group_size))][:k]
+    if tokenizer is not None and batch.env_rewards.numel():
+        for row, i in zip(rows, range(0, len(batch), max(1, batch.group_size))):
+            row["episode"] = episode_text(tokenizer, batch.response_ids[i], batch.response_mask[i], batch.loss_mask[i])
+    return rows
+
+
+def episode_text(tokenizer: Any, ids: torch.Tensor, present: torch.Tensor, trained: torch.Tensor) -> str:
+    """An episode's response as text, each run of untrained tokens (observations) in [[ ]]."""
+    runs = torch.unique_consecutive(trained[present.bool()], return_counts=True)
+    out, at, tokens = [], 0, ids[present.bool()].tolist()
+    for value, count in zip(*runs):
+        text = tokenizer.decode(tokens[at:at + int(count)])
+        out.append(text if value else f"[[{text}]]")
+        at += int(count)
+    return "".join(out)

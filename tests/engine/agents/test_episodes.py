@@ -249,3 +249,4 @@ def test_a_grpo_step_on_episodes_trains_only_the_sampled_tokens(model_dir, data_
     assert (batch.advantages[observed] == 0).all()
     out = actor.update(batch, PolicyGradient(cfg))
     assert out.metrics["actor/pg_loss"] == out.metrics["actor/pg_loss"] and "episode/turns/mean" in out.metrics
+    assert "goon]]" in out.samples[0]["episode"], "the sample shows the observation, marked as not trained"  # no spaces
