@@ -18,8 +18,9 @@ The warm start (`supervised`) runs the same step on one worker for at most `warm
 of `warmstart.batch_size` examples at a constant `warmstart.lr`, without checkpoints. Before RL,
 with `warmstart.stop_accuracy` > 0, it holds 256 training prompts out and ends
 once their greedy accuracy (scored by the run's reward, measured every `CHECK_EVERY` steps, or
-more often in a warm start of fewer than `CHECKS` x `CHECK_EVERY` steps) reaches that: where a warm start lands, not how many steps it took, decides how much RL
-can gain, and the steps a given accuracy takes vary with the machine's arithmetic and the seed.
+more often in a warm start of fewer than `CHECKS` x `CHECK_EVERY` steps) reaches that: where a
+warm start lands, not how many steps it took, decides how much RL can gain, and the steps a given
+accuracy takes vary with the machine's arithmetic and the seed.
 
 Invariants:
 - batches are drawn with generators seeded from `trainer.seed`: a `PromptLoader` (shuffled epochs,

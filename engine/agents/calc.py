@@ -5,8 +5,11 @@ is the problem ("417*382="), a call in the compact form (`<<calc:417*382>>`), th
 (`[159294]`, an observation: not trained on) and the answer copied from it. The environment scores
 the answer exactly. With the embedded model and tokenizer (engine/data/task.py, whose chat
 template names the offered tools and brackets a tool's result), `rollout.env=engine.agents.calc:Calculator`
-makes `embedded` data this task: train and validation problems (disjoint) and up to 256
-demonstrations drawn from the training problems, which the warm start learns from.
+makes `embedded` data this task: train and validation problems (disjoint) and 256
+demonstrations on training problems, which the warm start learns from. The demonstrations are a
+careless demonstrator's: each calls the tool right, but three in four copy its result with one
+digit wrong or off by one. The warm-started policy has the episode's form and copies right less
+than half the time; RL, rewarded for the exact product, learns to copy.
 
 Invariants:
 - train and validation problems are disjoint, and the same seed writes the same rows;
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from engine.agents.env import Step
 from engine.agents.tools import CALCULATOR
+from engine.data import task
 
 DATA_SOURCE = "calc"
 ENV = "engine.agents.calc:Calculator"
@@ -45,10 +49,12 @@ def _row(a: int, b: int, index: int, split: str) -> dict:
             "extra_info": {"index": index, "split": split}}
 
 
-def demonstration(a: int, b: int) -> list[dict]:
-    """The episode a policy should play on a*b, as chat turns after the prompt."""
+def demonstration(a: int, b: int, slip: random.Random | None = None) -> list[dict]:
+    """The episode a policy should play on a*b, as chat turns after the prompt; with `slip`, the
+    answer copies the tool's result with one digit wrong, as a careless demonstrator would."""
+    answer = task.wrong_answer(a * b, slip) if slip else str(a * b)
     return [{"role": "assistant", "content": f"<<calc:{a}*{b}>>"}, {"role": "tool", "content": str(a * b)},
-            {"role": "assistant", "content": str(a * b)}]
+            {"role": "assistant", "content": answer}]
 
 
 def build_data(out_dir: str | Path, n_train: int = 4096, n_val: int = 256, n_demos: int = DEMOS,
@@ -66,10 +72,10 @@ def build_data(out_dir: str | Path, n_train: int = 4096, n_val: int = 256, n_dem
             seen.add(pair)
             pairs.append(pair)
     val, train = pairs[:n_val], pairs[n_val:]
+    demos = [{**_row(a, b, i, "train"), "response": demonstration(a, b, rng if i % 4 else None)}
+             for i, (a, b) in enumerate(train[:n_demos])]
     rows = {"train": [_row(a, b, i, "train") for i, (a, b) in enumerate(train)],
-            "val": [_row(a, b, i, "val") for i, (a, b) in enumerate(val)],
-            "demos": [{**_row(a, b, i, "train"), "response": demonstration(a, b)}
-                      for i, (a, b) in enumerate(train[:n_demos])]}
+            "val": [_row(a, b, i, "val") for i, (a, b) in enumerate(val)], "demos": demos}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {split: str(out / f"{split}.parquet") for split in rows}
