@@ -178,9 +178,8 @@ class NativeRollout:
         if self.model.writes != self._writes:  # new weights: what the cache holds is another policy's
             self._forget()
         if self.graphs is not None and (self.max_slots, in_graph) not in self.graphs:
-            with torch.inference_mode():  # before any prefill: warm-up decodes scribble on the slots
-                self._capture(in_graph)
-            self._forget()
+            with torch.inference_mode():  # before any prefill: warm-up decodes scribble on the slots'
+                self._capture(in_graph)  # column 0 only, which a kept history gets back from `_col0`
         if in_graph:
             self._inv_t.fill_(1.0 / params.temperature)
         stops = set(stop_ids(self.tokenizer, params))

@@ -101,3 +101,32 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
     graphs.load_weights((n, t) for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items())
     assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
     assert all(graphs.graphs[key] is graph for key, graph in captured.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_continued_sequences_on_the_graph_path(model_dir, dtype):
+    """Turn 2 of 40 episodes over 16 slots, on CUDA graphs (bf16: sampling inside them, a step
+    launched ahead of the last read): the 16 histories still cached prefill their new tokens only,
+    and the greedy turn matches an engine that prefills everything (fp32: exactly; bf16: logprobs
+    within bf16's noise, most tokens alike)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = NativeRollout(NativeCausalLM.from_pretrained(model_dir, dtype, "cuda"), tok, max_slots=16, max_len=96)
+    first = engine.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
+    samples = [tok.encode(t) + g[0].token_ids for t, g in zip(TEXTS, first)]
+    kept = [s[:-1] in engine._cached.values() for s in samples]
+    turn2 = [s + tok.encode(f"->{i}.") for i, s in enumerate(samples)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    reused = engine.reused
+    got = engine.generate(turn2, greedy)
+    assert sum(kept) == 16 and engine.reused - reused == sum(len(s) - 1 for s, k in zip(samples, kept) if k)
+    fresh = NativeRollout(NativeCausalLM.from_pretrained(model_dir, dtype, "cuda"), tok, max_slots=16, max_len=96)
+    want = fresh.generate(turn2, greedy)
+    same = sum(a[0].token_ids == b[0].token_ids for a, b in zip(got, want))
+    if dtype == torch.float32:
+        assert same == len(turn2)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=1e-4)
+    else:
+        assert same >= 0.8 * len(turn2), same
+        first_lp = torch.tensor([a[0].logprobs[0] for a in got]), torch.tensor([b[0].logprobs[0] for b in want])
+        torch.testing.assert_close(*first_lp, atol=0.1, rtol=0.1)
