@@ -68,7 +68,7 @@ def test_unreadable_inputs_are_one_line_before_mlflow_and_ray_start(tmp_path):
     (model / "config.json").write_text("{}")
     for command, args, expected in [
         ("train", ["model.path=/nonexistent"], "model.path=/nonexistent: no such directory"),
-        ("train", ["reward.function=nomod:f"], "reward.function=nomod:f: cannot import reward module 'nomod'"),
+        ("train", ["reward.function=nomod:f"], "reward.function=nomod:f: cannot import reward function module 'nomod'"),
         ("train", ["data.train_files=[/nope.parquet]"], "data.train_files: /nope.parquet: no such file"),
         ("eval", [str(model), "data.val_files=[/nope.parquet]"], "data.val_files: /nope.parquet: no such file"),
     ]:
