@@ -186,8 +186,9 @@ class NativeRollout:
         generator = torch.Generator(self.device).manual_seed(params.seed)
         waiting = deque(_Seq(p, i * params.n + j) for i, p in enumerate(prompts) for j in range(params.n))
         done: list[Completion | None] = [None] * len(waiting)
-        # pop() hands out slot 0 first, and slots that hold a history last, the oldest first
-        free = [s for s in range(self.max_slots - 1, -1, -1) if s not in self._cached] + list(self._cached)[::-1]
+        # the end goes first: slot 0, then a slot just retired, so busy slots stay low (decode runs
+        # rows 0..the highest busy one) and a call's schedule does not depend on the histories kept
+        free = list(range(self.max_slots - 1, -1, -1))
         reserved = self._reserve(waiting)
         running: list[_Seq] = []
         rows: torch.Tensor | None = None  # running's slots on the device, while running is unchanged
@@ -232,7 +233,7 @@ class NativeRollout:
                 if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
                     self._keep(retired)
                     self._kv_lens[to_device(torch.tensor([s.slot for s in retired]), self.device)] = 0
-                    free[:0] = [s.slot for s in retired]
+                    free.extend(s.slot for s in retired)
                 self._lap("schedule")
         flat = [c for c in done if c is not None]
         return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
