@@ -118,12 +118,12 @@ def test_a_lora_checkpoint_and_export_round_trip(model_dir, data_files, tmp_path
 
 
 def test_lora_sft_learns_through_the_adapters(model_dir):
-    from engine.data.prompts import examples_batch
+    from engine.data.prompts import Example, examples_batch
 
     cfg = load_config(None, ["actor.lora_rank=8", "actor.lr=1e-2"])
     actor, loss = Policy(cfg, str(model_dir)), Supervised(cfg)
     tok = actor.tokenizer
-    batch = examples_batch([(tok.encode(f"{a}+{a}="), tok.encode(str(2 * a)) + [tok.eos_token_id])
+    batch = examples_batch([Example(tok.encode(f"{a}+{a}="), tok.encode(str(2 * a)) + [tok.eos_token_id])
                             for a in range(16)], tok.pad_token_id)
     losses = [actor.update(batch, loss).metrics["sft/loss"] for _ in range(20)]
     assert losses[-1] < losses[0] * 0.8

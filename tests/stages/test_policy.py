@@ -110,12 +110,12 @@ def test_remax_baseline_is_the_scored_greedy_answer(model_dir, data_files, tmp_p
 
 
 def test_sft_update_lowers_the_loss(model_dir):
-    from engine.data.prompts import examples_batch
+    from engine.data.prompts import Example, examples_batch
 
     cfg = load_config(None, [])
     actor, loss = Policy(cfg, str(model_dir)), Supervised(cfg)  # as SFT, DPO and the warm start build it
     tok = actor.tokenizer
-    batch = examples_batch([(tok.encode(f"{a}+{a}="), tok.encode(str(2 * a)) + [tok.eos_token_id])
+    batch = examples_batch([Example(tok.encode(f"{a}+{a}="), tok.encode(str(2 * a)) + [tok.eos_token_id])
                             for a in range(16)], tok.pad_token_id)
     evals, losses = [], []
     for step in range(20):
