@@ -17,10 +17,9 @@ restarts and logging are the driver loop's (pipelines/driver.py), between execut
 The warm start (`supervised`) runs the same step on one worker for at most `warmstart.steps` steps
 of `warmstart.batch_size` examples at a constant `warmstart.lr`, without checkpoints. Before RL,
 with `warmstart.stop_accuracy` > 0, it holds 256 training prompts out and ends
-once their greedy accuracy (scored by the run's reward, measured every `CHECK_EVERY` steps, or
-more often in a warm start of fewer than `CHECKS` x `CHECK_EVERY` steps) reaches that: where a
-warm start lands, not how many steps it took, decides how much RL can gain, and the steps a given
-accuracy takes vary with the machine's arithmetic and the seed.
+once their greedy accuracy (scored by the run's reward, measured every `CHECK_EVERY`
+steps) reaches that: where a warm start lands, not how many steps it took, decides how much RL
+can gain, and the steps a given accuracy takes vary with the machine's arithmetic and the seed.
 
 Invariants:
 - batches are drawn with generators seeded from `trainer.seed`: a `PromptLoader` (shuffled epochs,
@@ -156,8 +155,7 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 
 
 DEV_PROMPTS = 256  # training prompts the warm start holds out, to measure its accuracy on
-CHECK_EVERY = 100  # warm-start steps between two measurements of that accuracy, at most
-CHECKS = 15  # measurements a warm start makes, at most: a short one is measured more often
+CHECK_EVERY = 100  # warm-start steps between two measurements of that accuracy
 
 
 def hold_out(examples: list[Example], prompts: list[Prompt], n: int, seed: int) -> tuple[list[Example], list[Prompt]]:
@@ -193,7 +191,6 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
         loss = Supervised(ws_cfg)
         run_step = Runner(stages, lambda s, inputs: step_graph(s, inputs, loss), ws_cfg.trainer.dag)
         every, since = max(1, w.steps // 10), time.perf_counter()  # ten lines a warm start: a long one shows it moves
-        check_every = min(CHECK_EVERY, max(10, w.steps // CHECKS))
         for step in range(w.steps):
             begin = time.perf_counter()
             batch = rng.sample(examples, w.batch_size)
@@ -207,7 +204,7 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
                 print(f"warm-start: step {step + 1}/{w.steps}, loss {metrics['sft/loss']:.4f}, "
                       f"{(now - since) / every:.3f} s a step", flush=True)
                 since = now
-            if checks and ((step + 1) % check_every == 0 or step == w.steps - 1):
+            if checks and ((step + 1) % CHECK_EVERY == 0 or step == w.steps - 1):
                 accuracy = dev_accuracy(stages, dev, step)
                 tracker.log_metrics({"warmstart/dev_accuracy": accuracy}, step=step)
                 if accuracy >= w.stop_accuracy:
