@@ -69,22 +69,10 @@ class Rollout:
         # generates its group's
         groups = self.engine.generate(prompts, params)[mine] if prompts else []
         completions = [c for group in groups for c in group]
-        n = params.n
-        pids, pmask = left_pad([p.ids for p in request.prompts], self.tokenizer.pad_token_id)
-        expand = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
-        batch = Batch(
-            prompt_ids=pids.repeat_interleave(n, 0), prompt_mask=pmask.repeat_interleave(n, 0), group_size=n,
-            data_source=expand([p.data_source for p in request.prompts]),
-            ground_truth=expand([p.ground_truth for p in request.prompts]),
-            extra_info=expand([p.extra_info for p in request.prompts]),
-            response_ids=right_pad([c.token_ids for c in completions], self.tokenizer.pad_token_id, torch.long),
-            response_mask=right_pad([[1.0] * len(c.token_ids) for c in completions], 0.0, torch.float32),
-            rollout_logprobs=right_pad([c.logprobs for c in completions], 0.0, torch.float32),
-            finish_reason=[c.finish_reason for c in completions],
-            prompt_text=expand([p.text for p in request.prompts]),
-            responses=self.tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True),
-            step=request.step, weight_version=self.weight_version,
-        )
+        batch = self._rows(request, params.n, [c.token_ids for c in completions], [c.logprobs for c in completions],
+                           finish_reason=[c.finish_reason for c in completions],
+                           responses=self.tokenizer.batch_decode([c.token_ids for c in completions],
+                                                                 skip_special_tokens=True))
         batch.timing["gen"] = time.perf_counter() - start
         peak_memory("gen", batch.metrics)
         if self.link is not None:
@@ -97,27 +85,31 @@ class Rollout:
         r, rw = self.cfg.rollout, self.cfg.reward
         episodes, metrics = run_episodes(self.engine, self.tokenizer, request.prompts, params, self.env, r.max_turns,
                                          r.episode_tokens, rw.timeout_s, rw.on_error)
-        n = params.n
-        pids, pmask = left_pad([p.ids for p in request.prompts], self.tokenizer.pad_token_id)
-        expand = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
-        batch = Batch(
-            prompt_ids=pids.repeat_interleave(n, 0), prompt_mask=pmask.repeat_interleave(n, 0), group_size=n,
-            data_source=expand([p.data_source for p in request.prompts]),
-            ground_truth=expand([p.ground_truth for p in request.prompts]),
-            extra_info=expand([p.extra_info for p in request.prompts]),
-            response_ids=right_pad([e.ids for e in episodes], self.tokenizer.pad_token_id, torch.long),
-            response_mask=right_pad([[1.0] * len(e.ids) for e in episodes], 0.0, torch.float32),
-            loss_mask=right_pad([e.mask for e in episodes], 0.0, torch.float32),
-            rollout_logprobs=right_pad([e.logprobs for e in episodes], 0.0, torch.float32),
-            finish_reason=["length" if e.truncated else "stop" for e in episodes],
-            prompt_text=expand([p.text for p in request.prompts]), responses=[e.answer for e in episodes],
-            env_rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
-            step=request.step, weight_version=self.weight_version,
-        )
+        batch = self._rows(request, params.n, [e.ids for e in episodes], [e.logprobs for e in episodes],
+                           finish_reason=["length" if e.truncated else "stop" for e in episodes],
+                           responses=[e.answer for e in episodes],
+                           loss_mask=right_pad([e.mask for e in episodes], 0.0, torch.float32),
+                           env_rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32))
         batch.metrics.update(metrics)
         batch.timing["gen"] = time.perf_counter() - start
         peak_memory("gen", batch.metrics)
         return batch
+
+    def _rows(self, request: RolloutRequest, n: int, ids: list[list[int]], logprobs: list[list[float]],
+              **fields) -> Batch:
+        """A Batch of `n` responses (`ids`, `logprobs`) per request prompt, in order, with `fields`."""
+        pids, pmask = left_pad([p.ids for p in request.prompts], self.tokenizer.pad_token_id)
+        expand = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        return Batch(
+            prompt_ids=pids.repeat_interleave(n, 0), prompt_mask=pmask.repeat_interleave(n, 0), group_size=n,
+            data_source=expand([p.data_source for p in request.prompts]),
+            ground_truth=expand([p.ground_truth for p in request.prompts]),
+            extra_info=expand([p.extra_info for p in request.prompts]),
+            response_ids=right_pad(ids, self.tokenizer.pad_token_id, torch.long),
+            response_mask=right_pad([[1.0] * len(x) for x in ids], 0.0, torch.float32),
+            rollout_logprobs=right_pad(logprobs, 0.0, torch.float32),
+            prompt_text=expand([p.text for p in request.prompts]),
+            step=request.step, weight_version=self.weight_version, **fields)
 
     def _tp_prompts(self, prompts: list[list[int]]) -> tuple[list[list[int]], slice]:
         """(the prompts of every rank in this TP group, in rank order; where this rank's sit):

@@ -61,8 +61,6 @@ def build_data(out_dir: str | Path, n_train: int = 4096, n_val: int = 256, n_dem
                seed: int = 0) -> dict[str, str]:
     """Write train/val prompt rows and demonstration rows (`prompt` and `response` turns) as parquet;
     returns {"train", "val", "demos"} paths."""
-    import pandas as pd
-
     rng = random.Random(seed)
     pairs: list[tuple[int, int]] = []
     seen: set[tuple[int, int]] = set()
@@ -76,12 +74,7 @@ def build_data(out_dir: str | Path, n_train: int = 4096, n_val: int = 256, n_dem
              for i, (a, b) in enumerate(train[:n_demos])]
     rows = {"train": [_row(a, b, i, "train") for i, (a, b) in enumerate(train)],
             "val": [_row(a, b, i, "val") for i, (a, b) in enumerate(val)], "demos": demos}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {split: str(out / f"{split}.parquet") for split in rows}
-    for split, items in rows.items():
-        pd.DataFrame(items).to_parquet(paths[split])
-    return paths
+    return task.write_splits(out_dir, rows)
 
 
 def embedded_files(root: str | Path, seed: int) -> dict[str, str]:

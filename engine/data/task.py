@@ -104,7 +104,8 @@ def _problems(digits: int, n_train: int, n_val: int, seed: int) -> dict[str, lis
     return {"val": pairs[:n_val], "train": pairs[n_val:n_val + n_train]}
 
 
-def _write(out_dir: str | Path, rows: dict[str, list[dict]]) -> dict[str, str]:
+def write_splits(out_dir: str | Path, rows: dict[str, list[dict]]) -> dict[str, str]:
+    """Each split's rows as `out_dir/<split>.parquet`; returns {split: path}."""
     import pandas as pd
 
     out = Path(out_dir)
@@ -119,7 +120,7 @@ def build_data(out_dir: str | Path, digits: int = 2, n_train: int = 4096, n_val:
                seed: int = 0) -> dict[str, str]:
     """Write train/val parquet files of `digits`-digit addition; returns {split: path}."""
     splits = _problems(digits, n_train, n_val, seed)
-    return _write(out_dir, {split: [_row(a, b, i, split) for i, (a, b) in enumerate(items)]
+    return write_splits(out_dir, {split: [_row(a, b, i, split) for i, (a, b) in enumerate(items)]
                             for split, items in splits.items()})
 
 
@@ -141,7 +142,7 @@ def build_pairs(out_dir: str | Path, digits: int = 2, n_train: int = 4096, n_val
     rows = {split: [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"{a}+{b}="}],
                      "chosen": str(a + b), "rejected": wrong_answer(a + b, rng)} for a, b in items]
             for split, items in _problems(digits, n_train, n_val, seed).items()}
-    return _write(out_dir, rows)
+    return write_splits(out_dir, rows)
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
