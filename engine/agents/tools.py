@@ -14,7 +14,10 @@ Invariants:
   names no offered tool is not dropped: it becomes an error result the model reads back as its
   observation, and it is counted (`ToolResult.error`);
 - a tool that raises returns the exception's text as its result, counted the same way; tools run
-  in the driver, never in the environment.
+  in the driver, never in the environment;
+- the Python executor (`python_tool`) runs model-written code isolated from the network and the
+  user's files (engine/data/sandbox.py), and refuses to be built where no isolation works unless
+  it is told `isolation="none"`.
 
 Run its tests with ``python -m pytest tests/engine/agents -q``.
 """
@@ -28,6 +31,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.data.sandbox import resolve_isolation, run_python
 
 
 @dataclass
@@ -131,6 +136,30 @@ def calculate(expression: str) -> str:
 
     result = value(ast.parse(expression.strip(), mode="eval").body)
     return str(int(result)) if isinstance(result, float) and result.is_integer() else str(result)
+
+
+def python_tool(timeout_s: float = 5.0, memory_bytes: int = 512 * 1024**2, isolation: str = "auto",
+                max_chars: int = 2000) -> Tool:
+    """A tool that runs the model's Python and returns what it printed, isolated as `isolation`
+    says (engine/data/sandbox.py); built where an environment class lists its tools, so a machine
+    that cannot isolate it fails at start-up. A crash, a timeout or a non-zero exit is an error
+    result holding the end of stderr; output past `max_chars` is cut at the front, and says so."""
+    mode = resolve_isolation(isolation)
+
+    def run(code: str) -> str:
+        result = run_python(code, timeout_s, memory_bytes, isolation=mode)
+        if result.timed_out:
+            raise TimeoutError(f"the code ran past {timeout_s:g}s")
+        if result.returncode != 0:
+            raise RuntimeError(_tail(result.stderr.strip() or f"exit status {result.returncode}", max_chars))
+        return _tail(result.stdout, max_chars)
+
+    return Tool("python", "Run Python code in a fresh interpreter; returns what it prints.",
+                {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}, run)
+
+
+def _tail(text: str, max_chars: int) -> str:
+    return text if len(text) <= max_chars else f"[{len(text) - max_chars} characters cut]" + text[-max_chars:]
 
 
 CALCULATOR = Tool("calc", "Evaluate an arithmetic expression (+ - * / // % ** and parentheses).",

@@ -9,17 +9,28 @@ Invariants:
 - the child starts in a fresh temporary directory, deleted afterwards, with ``-I`` (no user site,
   no PYTHON* variables), stdin at /dev/null and an environment holding only a minimal PATH.
 
-This guards against buggy or runaway code, not a determined attacker: the child can still use the
-network, read files its user can read, or call setsid() to leave the process group. Use a
-container for hostile code.
+`isolation` adds walls for code the user does not trust (model-written code):
+- "namespaces": bubblewrap runs the child in new user, pid, network, ipc and mount namespaces that
+  see only the system's and Python's directories (read-only), a private /tmp and the working
+  directory; the pid namespace dies with it, whatever the code forked;
+- "landlock", where namespaces are refused: the child confines itself with Landlock, reading only
+  those directories and writing only its own (engine/data/confine.py);
+- under both, a seccomp filter makes socket() fail (no network, no local daemons) and setsid()
+  and setpgid() too, so nothing leaves the process group killed at the end;
+- "auto" takes the first of those that works here (`resolve_isolation`), and raises
+  `SandboxUnavailable` if neither does; "none" (the default for reward functions, whose code is
+  the user's) is the limits above alone: that child can still use the network and read whatever
+  its user can.
 
 Run its tests with ``python -m pytest tests/engine/data/test_sandbox.py -q``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +38,8 @@ import tempfile
 from io import BufferedRandom
 from pathlib import Path
 from typing import NamedTuple
+
+from engine.data import confine
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
 MAX_FILE_BYTES = 16 * 1024**2
@@ -39,9 +52,16 @@ import resource, runpy, sys
 for name, limit in ((resource.RLIMIT_AS, {memory}), (resource.RLIMIT_CPU, {cpu}),
                     (resource.RLIMIT_CORE, 0), (resource.RLIMIT_FSIZE, {fsize})):
     resource.setrlimit(name, (limit, limit))
+{confine}
 sys.argv = ["main.py"]
 runpy.run_path("main.py", run_name="__main__")
 """
+ISOLATIONS = ("auto", "namespaces", "landlock", "none")
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32")
+
+
+class SandboxUnavailable(RuntimeError):
+    """No isolation of the kind asked for works on this machine."""
 
 
 class SandboxResult(NamedTuple):
@@ -51,14 +71,23 @@ class SandboxResult(NamedTuple):
     timed_out: bool
 
 
-def run_python(code: str, timeout_s: float = 5.0, memory_bytes: int = 1024**3) -> SandboxResult:
+def run_python(code: str, timeout_s: float = 5.0, memory_bytes: int = 1024**3,
+               isolation: str = "none") -> SandboxResult:
     """Run ``code`` as ``__main__`` in a fresh interpreter and working directory; see the module doc."""
-    boot = _BOOT.format(memory=memory_bytes, cpu=math.ceil(timeout_s) + 1, fsize=MAX_FILE_BYTES)
+    return _run(code, timeout_s, memory_bytes, resolve_isolation(isolation))
+
+
+def _run(code: str, timeout_s: float, memory_bytes: int, mode: str) -> SandboxResult:
     with tempfile.TemporaryDirectory(prefix="rlflow-sandbox-", ignore_cleanup_errors=True) as tmp:
         work = Path(tmp)
         (work / "main.py").write_text(code)
+        boot = _BOOT.format(memory=memory_bytes, cpu=math.ceil(timeout_s) + 1, fsize=MAX_FILE_BYTES,
+                            confine=_confinement(mode, work))
+        argv = [sys.executable, "-I", "-c", boot]
+        if mode == "namespaces":
+            argv = _bwrap(work) + argv
         with open(work / ".stdout", "wb+") as out, open(work / ".stderr", "wb+") as err:
-            proc = subprocess.Popen([sys.executable, "-I", "-c", boot], cwd=work, env=ENV,
+            proc = subprocess.Popen(argv, cwd=work, env=ENV,
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True)
             try:
                 proc.wait(timeout=timeout_s)
@@ -68,6 +97,64 @@ def run_python(code: str, timeout_s: float = 5.0, memory_bytes: int = 1024**3) -
             finally:
                 _kill_group(proc)
             return SandboxResult(proc.returncode, _tail(out), _tail(err), timed_out)
+
+
+def resolve_isolation(isolation: str) -> str:
+    """The isolation `run_python` will use for `isolation`: "auto" becomes the first of
+    "namespaces" and "landlock" that runs a child here; raises SandboxUnavailable (saying why each
+    failed) when an asked-for isolation does not work."""
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+    if isolation == "none":
+        return isolation
+    tried = [isolation] if isolation != "auto" else ["namespaces", "landlock"]
+    failures = {mode: _probe(mode) for mode in tried}
+    working = [mode for mode, failure in failures.items() if not failure]
+    if not working:
+        why = "; ".join(f"{mode}: {failure}" for mode, failure in failures.items())
+        raise SandboxUnavailable(f"cannot isolate model-written code here ({why}). Install bubblewrap "
+                                 "(apt-get install bubblewrap) and allow unprivileged user namespaces, "
+                                 "or opt out with isolation='none' to run it under resource limits alone")
+    return working[0]
+
+
+@functools.cache
+def _probe(mode: str) -> str:
+    """Why `mode` cannot run a child here; "" when it can. Run once per process."""
+    if mode == "namespaces" and shutil.which("bwrap") is None:
+        return "bwrap is not installed"
+    if mode == "landlock" and confine.landlock_abi() < 1:
+        return "the kernel has no Landlock"
+    result = _run("print('ok')", 10.0, 1024**3, mode)
+    return "" if result.stdout == "ok\n" else f"a test child failed: {result.stderr.strip()[-300:]}"
+
+
+def _readable() -> list[str]:
+    """What an isolated child reads: the system's directories and this interpreter's."""
+    paths = list(SYSTEM_DIRS)
+    for path in {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}:
+        if not any(path == p or path.startswith(p + "/") for p in paths):
+            paths.append(path)
+    return paths
+
+
+def _confinement(mode: str, work: Path) -> str:
+    """The lines the child runs on itself after its limits: confine.py's text, then its calls."""
+    if mode == "none":
+        return ""
+    calls = ["block_syscalls()"]
+    if mode == "landlock":
+        calls.append(f"restrict_files({_readable() + ['/dev/null', '/dev/zero', '/dev/urandom']!r}, "
+                     f"{[str(work)]!r})")
+    return Path(confine.__file__).read_text() + "\n" + "\n".join(calls)
+
+
+def _bwrap(work: Path) -> list[str]:
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    for path in _readable():
+        argv += ["--ro-bind-try", path, path]
+    return argv + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(work), str(work),
+                   "--chdir", str(work), "--"]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

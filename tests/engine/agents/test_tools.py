@@ -1,8 +1,13 @@
 """Tool calls read from a model's text, and what comes back when they fail."""
 
+import json
+import tempfile
+from pathlib import Path
+
 import pytest
 
-from engine.agents.tools import CALCULATOR, Tool, calculate, parse_compact, parse_hermes, run_call
+from engine.agents.tools import CALCULATOR, Tool, calculate, parse_compact, parse_hermes, python_tool, run_call
+from engine.data.sandbox import SandboxUnavailable, _probe
 
 TOOLS = {CALCULATOR.name: CALCULATOR}
 
@@ -44,3 +49,40 @@ def test_a_tool_is_described_the_way_chat_templates_take_it():
     schema = CALCULATOR.schema()
     assert schema["type"] == "function" and schema["function"]["name"] == "calc"
     assert schema["function"]["parameters"]["required"] == ["expression"]
+
+
+def test_the_python_tool_runs_isolated_code_and_its_failures_are_readable():
+    """Through a parsed Hermes call, as a model would make it: printed output comes back; a crash,
+    a timeout, a socket and a read of the user's home come back as readable errors."""
+    python = python_tool(timeout_s=2, max_chars=40)
+    tools = {python.name: python}
+
+    def call(code: str):
+        text = f'<tool_call>{json.dumps({"name": "python", "arguments": {"code": code}})}</tool_call>'
+        return run_call(parse_hermes(text)[0], tools)
+
+    assert (call("print(6 * 7)").content, call("print(6 * 7)").error) == ("42\n", False)
+    assert call("print('x' * 100)").content == "[61 characters cut]" + "x" * 39 + "\n"
+    crash = call("1 / 0")
+    assert crash.error and "ZeroDivisionError: division by zero" in crash.content
+    assert call("while True: pass").error and "ran past 2s" in call("import time; time.sleep(9)").content
+    sock = call("import socket; socket.create_connection(('127.0.0.1', 22))")
+    assert sock.error and "Operation not permitted" in sock.content
+    with tempfile.NamedTemporaryFile("w", dir=Path.home(), prefix=".rlflow-secret-") as secret:
+        secret.write("hunter2")
+        secret.flush()
+        assert call(f"print(open({secret.name!r}).read())").error
+        listing = call(f"import os; print(os.listdir({str(Path.home())!r}))")
+        assert listing.error or Path(secret.name).name not in listing.content
+
+
+def test_the_python_tool_refuses_to_start_without_isolation_unless_told(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    _probe.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="isolation='none'"):
+            python_tool(isolation="namespaces")
+        unisolated = python_tool(isolation="none")
+        assert run_call(parse_compact("<<python:print(1)>>")[0], {"python": unisolated}).content == "1\n"
+    finally:
+        _probe.cache_clear()
