@@ -133,6 +133,7 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
     """Name the first configured input that cannot be read, before MLflow or Ray start: the model
     directory (`model=False` for eval, whose model is its argument), the data files, the reward,
     the environment."""
+    from engine.agents.env import check_environment
     from engine.data.prompts import FORMATS
     from engine.data.rewards import load_function
 
@@ -151,7 +152,9 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
                             ("rollout.env", cfg.rollout.env, "environment")):
         if spec:
             try:
-                load_function(spec, what)
+                loaded = load_function(spec, what)
+                if key == "rollout.env":
+                    check_environment(loaded)
             except Exception as e:  # the user's module may fail in any way while it is imported
                 why = (str(e).strip().splitlines() or [type(e).__name__])[0]
                 raise ConfigError(f"{key}={spec}: {why}") from None

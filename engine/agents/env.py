@@ -43,6 +43,22 @@ class Step:
     done: bool = False
 
 
+def check_environment(env_class: Any) -> None:
+    """Raise ValueError naming what in an environment class's tools or parser cannot work."""
+    from engine.agents.tools import PARSERS, Tool
+
+    tools = getattr(env_class, "tools", []) or []
+    bad = [t for t in tools if not isinstance(t, Tool)]
+    if bad:
+        raise ValueError(f"tools must be engine.agents.tools.Tool, got {type(bad[0]).__name__}")
+    names = [t.name for t in tools]
+    if len(set(names)) < len(names):
+        raise ValueError(f"two tools share a name: {sorted(names)}")
+    parser = getattr(env_class, "tool_parser", "hermes")
+    if parser not in PARSERS:
+        raise ValueError(f"tool_parser={parser!r} is not one of {', '.join(PARSERS)}")
+
+
 def offered_tools(spec: str) -> list[dict] | None:
     """The JSON-schema descriptions of the tools the environment class `spec` offers (None: no
     environment or no tools): what the chat template renders into its prompts."""

@@ -36,6 +36,7 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "no_tokenizer" / "config.json").write_text("{}")
     (tmp / "rows.txt").write_text("x\n")
     (tmp / "broken.py").write_text("import not_a_module_anywhere\n")
+    (tmp / "envs.py").write_text("class Parser:\n    tool_parser = 'xml'\n\nclass Tools:\n    tools = [print]\n")
     return [
         ([f"model.path={tmp}"], "no config.json"),
         ([f"model.path={tmp / 'no_tokenizer'}"], "no tokenizer"),
@@ -47,6 +48,8 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         (["rollout.env=nomod:Env"], "rollout.env=nomod:Env: cannot import environment module 'nomod'"),
         ([f"rollout.env={tmp / 'missing.py'}:Env"], "environment file not found"),
         (["rollout.env=engine.agents.env:NoSuchEnv"], "has no 'NoSuchEnv'"),
+        ([f"rollout.env={tmp / 'envs.py'}:Parser"], "tool_parser='xml' is not one of hermes, compact"),
+        ([f"rollout.env={tmp / 'envs.py'}:Tools"], "tools must be engine.agents.tools.Tool"),
     ]
 
 
