@@ -101,6 +101,16 @@ def on_last_token(values: Tensor, mask: Tensor) -> Tensor:
     return out * mask.to(values.dtype)
 
 
+def token_scores(scores: Tensor, mask: Tensor, earned: Tensor | None = None) -> Tensor:
+    """Outcome scores [N] as per-token rewards [N, T]: the part a multi-turn episode's turns
+    `earned` [N, T] stays on the tokens that earned it, the rest goes on each row's last valid token
+    (all of it without `earned`); each row still sums to its score."""
+    if earned is None:
+        return on_last_token(scores, mask)
+    turns = earned * mask.to(earned.dtype)  # [N, T]
+    return turns + on_last_token(scores - turns.sum(-1), mask)
+
+
 def compute_advantages(
     estimator: str,
     scores: Tensor,

@@ -48,7 +48,8 @@ class Batch:
     finish_reason: list[str] = field(default_factory=list)  # "stop" | "length"
     prompt_text: list[str] = field(default_factory=list)  # templated prompt, for sample tables
     responses: list[str] = field(default_factory=list)  # decoded, special tokens skipped
-    env_rewards: torch.Tensor = field(default_factory=_empty)  # [N] float32, a multi-turn episode's environment's
+    # [N, R] float32, a multi-turn episode's environment's rewards, each on the last token of its turn
+    env_rewards: torch.Tensor = field(default_factory=_empty)
     scores: torch.Tensor = field(default_factory=_empty)  # [N] float32
     ref_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]
     old_logprobs: torch.Tensor = field(default_factory=_empty)  # [N, R]

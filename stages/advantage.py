@@ -7,7 +7,9 @@ request of the pipeline, unless the batch already carries their scores); `save(d
 between the critic's values and the updates.
 
 `algorithm.advantage` picks the estimator: a group baseline (GRPO, Dr.GRPO, RLOO,
-REINFORCE++), ReMax's greedy-answer baseline, or GAE over the critic's values (PPO). With
+REINFORCE++), ReMax's greedy-answer baseline, or GAE over the critic's values (PPO). The
+estimators with per-token returns (REINFORCE++ and GAE) see a multi-turn episode's rewards on
+the turns that earned them; the others, the episode's total. With
 `algorithm.kl_in_reward` a per-token KL penalty to the reference joins the rewards, its
 coefficient fixed or adapted to `algorithm.kl_target` after every step that trains the policy.
 DAPO's overlong shaping changes the reward the advantages see; the logged score stays raw.
@@ -44,16 +46,18 @@ class Advantage:
                                              rw.overlong_penalty)
             scores = scores + penalty
             batch.metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
-        token_rewards = None
+        # per-token rewards, for the estimators with per-token returns: an episode's turns keep theirs
+        placed = algos.token_scores(scores, mask, batch.env_rewards if batch.env_rewards.numel() else None)
+        token_rewards = placed if batch.env_rewards.numel() and alg.advantage == "reinforce_pp" else None
         if alg.kl_in_reward:
             kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
-            token_rewards = algos.kl_in_reward(algos.on_last_token(scores, mask), kl, mask, self.kl_ctl.value)
+            token_rewards = algos.kl_in_reward(placed, kl, mask, self.kl_ctl.value)
             batch.metrics["actor/reward_kl_penalty"] = float(algos.masked_mean(kl, mask))
             batch.metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctl.value
             if batch.step >= self.cfg.critic.warmup_steps:  # a step that trains the policy moves the coefficient
                 self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
         if alg.advantage == "gae":  # PPO: per-token advantages from the critic's values; returns are its targets
-            rewards = algos.on_last_token(scores, mask) if token_rewards is None else token_rewards
+            rewards = placed if token_rewards is None else token_rewards
             advantages, batch.returns = algos.gae(rewards, batch.values, mask, alg.gamma, alg.lam)
             batch.advantages = algos.masked_whiten(advantages, mask)
         else:

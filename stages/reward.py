@@ -34,8 +34,9 @@ class Reward:
         start = time.perf_counter()
         batch.scores, metrics = self.mix(batch, batch.responses)
         if batch.env_rewards.numel():  # a multi-turn episode's environment rewards: the function adds to them
-            batch.scores = batch.scores + batch.env_rewards
-            metrics["reward/env/mean"] = float(batch.env_rewards.mean())
+            env = batch.env_rewards.sum(-1)  # [N]
+            batch.scores = batch.scores + env
+            metrics["reward/env/mean"] = float(env.mean())
         batch.metrics.update(metrics)
         batch.timing["reward"] = time.perf_counter() - start
         return batch

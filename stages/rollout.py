@@ -89,7 +89,7 @@ class Rollout:
                            finish_reason=["length" if e.truncated else "stop" for e in episodes],
                            responses=[e.answer for e in episodes],
                            loss_mask=right_pad([e.mask for e in episodes], 0.0, torch.float32),
-                           env_rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32))
+                           env_rewards=right_pad([e.rewards for e in episodes], 0.0, torch.float32))
         batch.metrics.update(metrics)
         batch.timing["gen"] = time.perf_counter() - start
         peak_memory("gen", batch.metrics)

@@ -11,6 +11,8 @@ prefills only its new tokens.
 Invariants:
 - an episode's response is its turns and observations in order; `mask` is 1 on the sampled
   tokens only and `logprobs` hold the engine's logprobs there, 0 under observations;
+- `rewards` holds each step's reward on the last token of the turn it answered, so estimators
+  with per-token returns see when it was earned; they sum to `reward`;
 - an episode runs at most `max_turns` model turns, and a turn starts only while the episode's
   response has room for a whole turn (`rollout.max_new_tokens`) within `tokens`: an episode that
   would overrun ends before that turn, or before an observation that would not fit, and counts
@@ -41,6 +43,7 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # the response: sampled turns and observations
     mask: list[float] = field(default_factory=list)  # 1 on sampled tokens
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0 under observations
+    rewards: list[float] = field(default_factory=list)  # a step's reward on its turn's last token, else 0
     messages: list[dict] = field(default_factory=list)  # the turns by role, for sample tables
     reward: float = 0.0  # the environment's, summed over steps
     turns: int = 0
@@ -120,6 +123,7 @@ def run_episodes(engine: RolloutEngine, tokenizer: Any, prompts: list, params: S
             e.ids += c.token_ids
             e.mask += [1.0] * len(c.token_ids)
             e.logprobs += c.logprobs
+            e.rewards += [0.0] * len(c.token_ids)
             e.turns += 1
             text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
             e.messages.append({"role": "assistant", "content": text})
@@ -138,6 +142,7 @@ def run_episodes(engine: RolloutEngine, tokenizer: Any, prompts: list, params: S
             e.ids += ids
             e.mask += [0.0] * len(ids)
             e.logprobs += [0.0] * len(ids)
+            e.rewards += [0.0] * len(ids)
             e.messages += messages
     for e in episodes:
         if not e.over:
@@ -164,7 +169,7 @@ def _settle(e: Episode, ok: bool, value: Any, on_error: str, what: str) -> None:
     reason = f"{what}: {type(value).__name__}: {value}"
     if on_error == "raise":
         raise RuntimeError(f"the environment failed {reason}") from value
-    e.error, e.reward = reason, 0.0
+    e.error, e.reward, e.rewards = reason, 0.0, [0.0] * len(e.rewards)
 
 
 def _respond(acted: list[tuple[Any, str, bool]], parse: Any, tools: dict[str, Tool], timeout_s: float,
@@ -182,6 +187,8 @@ def _respond(acted: list[tuple[Any, str, bool]], parse: Any, tools: dict[str, To
         if ok:
             step: Step = value
             e.reward += step.reward
+            if e.rewards:  # on the turn's last token (before a turn had any, the reward stays in the total)
+                e.rewards[-1] += step.reward
             e.done = step.done
             out[i] = None if step.done else step.observation
     for (i, call), (ok, value) in zip(calling, results):

@@ -37,6 +37,7 @@ from engine.algos import (
     reinforce_pp_returns,
     rollout_correction,
     token_logprobs,
+    token_scores,
     value_loss,
     varied_groups,
 )
@@ -149,6 +150,20 @@ def test_reinforce_pp_reads_token_rewards() -> None:
         "reinforce_pp", torch.tensor([9.0, 9.0]), MASK_2x2, 1, gamma=0.5, token_rewards=rewards
     )
     close(adv, [[-1.069045, -0.267261], [1.336306, 0.0]])
+
+
+def test_token_scores_keep_what_each_turn_earned_where_it_was_earned() -> None:
+    """An episode [turn 1 | observation | turn 2 | pad]: its turn-1 reward stays on turn 1's last
+    token, the rest of the score (the last turn's and a reward function's) on the last valid token;
+    every row sums to its score, and an observation's reward (a mask-0 token) moves to the end."""
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0, 1.0, 0.0], [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    earned = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.5, 0.0], [0.0, 0.5, 0.0, 0.0, 0.0, 0.0]])
+    scores = torch.tensor([1.75, 0.5])  # row 0: 0.25 + 0.5 + a function's 1.0
+    placed = token_scores(scores, mask, earned)
+    torch.testing.assert_close(placed, torch.tensor([[0.0, 0.25, 0.0, 0.0, 1.5, 0.0], [0.0, 0.0, 0.5, 0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(token_scores(scores, mask), on_last_token(scores, mask))
+    returns = reinforce_pp_returns(placed, mask, gamma=1.0)  # turn 1 is credited with both turns' rewards
+    torch.testing.assert_close(returns[0], torch.tensor([1.75, 1.75, 0.0, 1.5, 1.5, 0.0]))
 
 
 def test_reinforce_pp_baseline() -> None:

@@ -2,6 +2,7 @@
 prefills a turn's new tokens only, and every way an environment or a tool call can fail is a
 counted outcome."""
 
+import importlib.util
 import string
 import time
 
@@ -66,13 +67,23 @@ def prompts_of(tok, texts):
     return [Prompt(tok.encode(t, add_special_tokens=False), "talk", "", {"index": i}, t) for i, t in enumerate(texts)]
 
 
-@pytest.mark.parametrize("backend", ["native", "hf"])
-def test_the_ids_trained_on_are_the_ids_sampled(merging_model, backend):
+def engine_of(backend: str, model_dir, tok):
     from transformers import AutoModelForCausalLM
 
+    if backend == "native":
+        return NativeRollout(model_dir, tok, max_slots=32, max_len=160)
+    if backend == "hf":
+        return HFRollout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tok)
+    from engine.rollout.vllm import VLLMRollout
+
+    return VLLMRollout(model_dir, tok, 160, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["native", "hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm extra not installed"))])
+def test_the_ids_trained_on_are_the_ids_sampled(merging_model, backend):
     tok = AutoTokenizer.from_pretrained(merging_model)
-    engine = (NativeRollout(merging_model, tok, max_slots=32, max_len=160) if backend == "native" else
-              HFRollout(AutoModelForCausalLM.from_pretrained(merging_model, dtype=torch.float32), tok))
+    engine = engine_of(backend, merging_model, tok)
     recorded = Recording(engine)
     prompts = prompts_of(tok, ["[user]ab 12 ab>", "[user]say 1212>", "[user]abab>"])
     params = SamplingParams(temperature=1.0, n=4, max_new_tokens=10, seed=5)
@@ -90,6 +101,8 @@ def test_the_ids_trained_on_are_the_ids_sampled(merging_model, backend):
         assert len(turns) == e.turns == 3 and e.done and e.reward == pytest.approx(0.75)
         trained = [t for t, m in zip(e.ids, e.mask) if m]
         assert trained == [t for _, c in turns for t in c.token_ids], "trained ids are the sampled ids, in order"
+        ends = [at + len(c.token_ids) - 1 for at, c in turns]  # each step's 0.25 sits on its turn's last token
+        assert [i for i, r in enumerate(e.rewards) if r] == ends and set(e.rewards) == {0.0, 0.25}
         for at, c in turns:
             assert e.ids[at:at + len(c.token_ids)] == c.token_ids and all(e.mask[at:at + len(c.token_ids)])
             assert e.logprobs[at:at + len(c.token_ids)] == c.logprobs
@@ -244,7 +257,7 @@ def test_a_grpo_step_on_episodes_trains_only_the_sampled_tokens(model_dir, data_
     assert observed.sum(1).min() > 0, "every episode holds an observation between its two turns"
     assert (batch.rollout_logprobs[observed] == 0).all() and (batch.rollout_logprobs[batch.loss_mask == 1] < 0).all()
     batch = reward.score(batch)
-    torch.testing.assert_close(batch.scores, batch.env_rewards)
+    torch.testing.assert_close(batch.scores, batch.env_rewards.sum(-1))
     batch = Advantage(cfg).estimate(actor.logprobs(batch))
     assert (batch.advantages[observed] == 0).all()
     out = actor.update(batch, PolicyGradient(cfg))
