@@ -14,7 +14,8 @@ Invariants:
 - `logprobs[t]` is log softmax(logits_t / temperature)[token_t] over the FULL vocabulary (top-p/k
   only restrict what can be sampled), which is exactly what the trainer recomputes; greedy
   decoding (temperature 0) reports logprobs at temperature 1;
-- a response ends with its stop token included (finish "stop") or at max_new_tokens ("length");
+- a response ends with its stop token included (finish "stop") or at max_new_tokens, or its
+  prompt's entry in `limits` where given ("length");
 - the same seed gives the same samples.
 """
 
@@ -36,6 +37,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     n: int = 1
     max_new_tokens: int = 16
+    limits: list[int] = field(default_factory=list)  # per prompt, its own max_new_tokens (<= the one above); [] = none
     stop_token_ids: list[int] = field(default_factory=list)
     stop_strings: list[str] = field(default_factory=list)
     seed: int = 0
@@ -63,6 +65,16 @@ class RolloutEngine(Protocol):
 def stop_ids(tokenizer: Any, params: SamplingParams) -> list[int]:
     """The tokenizer's EOS (when it has one) and the request's stop tokens."""
     return sorted({t for t in (tokenizer.eos_token_id, *params.stop_token_ids) if t is not None})
+
+
+def limits_of(prompts: list[list[int]], params: SamplingParams) -> list[int]:
+    """Each prompt's max new tokens: its entry in `params.limits`, else `params.max_new_tokens`."""
+    if not params.limits:
+        return [params.max_new_tokens] * len(prompts)
+    if len(params.limits) != len(prompts) or not all(0 < n <= params.max_new_tokens for n in params.limits):
+        raise ValueError(f"limits needs one value in [1, max_new_tokens={params.max_new_tokens}] per prompt "
+                         f"({len(prompts)}), got {params.limits[:8]}")
+    return params.limits
 
 
 class HFRollout:
@@ -96,7 +108,9 @@ class HFRollout:
         self.model.train(was_training)
         tokens = out[:, ids.shape[1]:].cpu()  # [B*n, R]
         logp = self._logprobs(ids, mask, tokens, params.temperature)
-        flat = [self._cut(tokens[i], logp[i], stops, params) for i in range(len(tokens))]
+        # generate runs every row to the batch's longest; a prompt's own limit cuts its rows after
+        limits = [limit for limit in limits_of(prompts, params) for _ in range(params.n)]
+        flat = [self._cut(tokens[i, :limits[i]], logp[i, :limits[i]], stops, params) for i in range(len(tokens))]
         return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
 
     def _logprobs(self, ids: torch.Tensor, mask: torch.Tensor, tokens: torch.Tensor,

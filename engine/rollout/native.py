@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from engine.rollout import kernels
-from engine.rollout.base import Completion, SamplingParams, stop_ids
+from engine.rollout.base import Completion, SamplingParams, limits_of, stop_ids
 from engine.rollout.model import KVCache, NativeCausalLM, head_dim
 from engine.tensors import fused, to_device
 
@@ -62,6 +62,7 @@ class _Seq:
     index: int  # position in the flat output: prompt_i * n + sample_j
     slot: int = -1
     cached: int = 0  # the prompt's first tokens already in the slot's cache (a continued sequence)
+    limit: int = 0  # max new tokens
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""  # "" while running, then "stop" | "length"
@@ -184,7 +185,9 @@ class NativeRollout:
             self._inv_t.fill_(1.0 / params.temperature)
         stops = set(stop_ids(self.tokenizer, params))
         generator = torch.Generator(self.device).manual_seed(params.seed)
-        waiting = deque(_Seq(p, i * params.n + j) for i, p in enumerate(prompts) for j in range(params.n))
+        limits = limits_of(prompts, params)
+        waiting = deque(_Seq(p, i * params.n + j, limit=limits[i]) for i, p in enumerate(prompts)
+                        for j in range(params.n))
         done: list[Completion | None] = [None] * len(waiting)
         # the end goes first: slot 0, then a slot just retired, so busy slots stay low (decode runs
         # rows 0..the highest busy one) and a call's schedule does not depend on the histories kept
@@ -482,7 +485,7 @@ class NativeRollout:
             text = self.tokenizer.decode(seq.tokens)
             if any(text.endswith(s) for s in params.stop_strings):
                 return "stop"
-        return "length" if len(seq.tokens) >= params.max_new_tokens else ""
+        return "length" if len(seq.tokens) >= seq.limit else ""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(named_tensors)

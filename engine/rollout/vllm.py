@@ -40,7 +40,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from engine.rollout.base import Completion, SamplingParams
+from engine.rollout.base import Completion, SamplingParams, limits_of
 
 T = TypeVar("T")
 MAX_SEQS = 256  # sequences decoded at once; the CPU KV cache is sized for this many at max_len
@@ -95,9 +95,9 @@ class VLLMRollout:
         stops = sorted({self.tokenizer.eos_token_id, *params.stop_token_ids})
         requests = [VSamplingParams(  # vLLM refuses n > 1 when greedy: one sample, copied below
             n=1 if greedy else params.n, temperature=0.0 if greedy else 1.0, top_p=params.top_p, top_k=params.top_k,
-            seed=params.seed + i * params.n, max_tokens=params.max_new_tokens, stop_token_ids=stops,
+            seed=params.seed + i * params.n, max_tokens=limit, stop_token_ids=stops,
             stop=params.stop_strings or None, include_stop_str_in_output=True, logprobs=0, detokenize=True,
-        ) for i in range(len(prompts))]
+        ) for i, limit in enumerate(limits_of(prompts, params))]
         self.model.logits_processor.scale = self.base_scale / (1.0 if greedy else params.temperature)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], requests, use_tqdm=False)
         copies = params.n if greedy else 1

@@ -116,6 +116,12 @@ def test_stop_tokens_strings_and_max_new_tokens(engine, tok):
     short = engine.generate([prompt] * 2, SamplingParams(n=4, max_new_tokens=3, seed=1))
     assert all(len(c.token_ids) == 3 for g in short for c in g if c.finish_reason == "length")
     assert all(len(c.token_ids) <= 3 and len(c.logprobs) == len(c.token_ids) for g in short for c in g)
+    # a prompt's own limit: greedy, so each row is the free run's prefix, cut at its limit
+    own = engine.generate([prompt] * 3, SamplingParams(temperature=0, max_new_tokens=6, limits=[2, 6, 4]))
+    assert [g[0].token_ids for g in own] == [free.token_ids[:2], free.token_ids, free.token_ids[:4]]
+    assert [g[0].finish_reason for g in own] == ["length"] * 3
+    with pytest.raises(ValueError, match="limits needs one value"):
+        engine.generate([prompt], SamplingParams(max_new_tokens=6, limits=[7]))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,146 @@
+"""Multi-turn episodes with a slow tool: new tokens/s against an instant tool, side by side.
+
+    python bench/episodes.py --shape qwen2.5-0.5b --episodes 256 --turns 4 --tool-ms 50
+
+Random weights in the given shape (bench/shapes.py), bf16 on the GPU (fp32 on CPU), random
+prompts, the native engine, and the real episode loop (engine/agents/episodes.py): each turn's
+tool call is parsed, run among the turn's calls at once, rendered by the chat template and
+appended as ids, and the next turn continues the history in its slot. Random weights never write
+a call or an end token, so both are forced: every turn ends at a length drawn per episode and turn
+from [--min-len, --max-len] (a per-prompt limit) and calls the tool once. Three tools:
+- instant: returns at once;
+- slow: sleeps --tool-ms a call, the calls of a turn running at once, as the loop runs them;
+- blocking (the control): sleeps as long, one call at a time, as if each ran in the engine's loop.
+Instant and slow alternate for --repeats rounds after --warmup runs, each round on fresh prompts (so
+no kept history helps); the control runs once. Prints each one's new (sampled) tokens/s, and
+slow/instant per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import threading
+import time
+
+import torch
+from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from engine.agents.env import Step
+from engine.agents.episodes import run_episodes
+from engine.agents.tools import PARSERS, Tool, ToolCall
+from engine.data.prompts import Prompt
+from engine.data.task import build_tokenizer
+from engine.rollout.base import SamplingParams
+from engine.rollout.model import NativeCausalLM
+from engine.rollout.native import NativeRollout
+
+SHAPES = {**QWEN25, "tiny": TINY}
+PARSERS["every_turn"] = lambda text: [ToolCall("wait")]  # random weights never write a call: each turn makes one
+
+
+class Drawn:
+    """The engine, each prompt's turn ending at a length drawn from (its first tokens, its length):
+    one draw per episode and turn, the same in every run."""
+
+    def __init__(self, engine: NativeRollout, low: int, high: int) -> None:
+        self.engine, self.low, self.high = engine, low, high
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams):
+        limits = [random.Random(hash((tuple(p[:8]), len(p)))).randint(self.low, self.high) for p in prompts]
+        return self.engine.generate(prompts, SamplingParams(**{**vars(params), "limits": limits}))
+
+
+def environment(seconds: float, one_at_a_time: bool) -> type:
+    lock = threading.Lock() if one_at_a_time else None
+
+    def wait() -> str:
+        if lock is None:
+            time.sleep(seconds)
+        else:
+            with lock:
+                time.sleep(seconds)
+        return "ok"
+
+    class Env:
+        tools = [Tool("wait", "Wait.", {"type": "object", "properties": {}}, wait)]
+        tool_parser = "every_turn"
+
+        def __init__(self, prompt: Prompt) -> None:
+            pass
+
+        def step(self, response: str) -> Step:  # never reached: every turn calls the tool
+            return Step(None, 0.0, True)
+
+    return Env
+
+
+def run(engine: Drawn, tok, env: type, args: argparse.Namespace, vocab: int, seed: int) -> tuple[float, int, float]:
+    """(seconds, sampled tokens, tool seconds) of one batch of episodes on fresh prompts."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [Prompt(ids, "bench", "", {}, "") for ids in
+               torch.randint(100, vocab, (args.episodes, args.prompt), generator=gen).tolist()]
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_len, seed=seed)
+    sync()
+    start = time.perf_counter()
+    episodes, metrics = run_episodes(engine, tok, prompts, params, env, max_turns=args.turns,
+                                     tokens=args.turns * (args.max_len + 16), timeout_s=60, on_error="raise")
+    sync()
+    seconds = time.perf_counter() - start
+    assert all(e.turns == args.turns and e.tool_calls == args.turns for e in episodes), "every turn ran and called"
+    return seconds, int(sum(sum(e.mask) for e in episodes)), metrics["episode/env_time_s"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--episodes", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--min-len", type=int, default=16)
+    ap.add_argument("--max-len", type=int, default=48)
+    ap.add_argument("--tool-ms", type=float, default=50.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed runs first: graph capture, compiled prefill shapes")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tok = build_tokenizer()
+    tok.eos_token = None  # no end token: every turn runs to its drawn length
+    cfg = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=4096, eos_token_id=None,
+                      pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    native = NativeRollout(NativeCausalLM.from_module(model), tok, max_slots=args.episodes,
+                           max_len=args.prompt + args.turns * (args.max_len + 16))
+    engine = Drawn(native, args.min_len, args.max_len)
+    tools = {"instant": environment(0.0, False), "slow": environment(args.tool_ms / 1e3, False),
+             "blocking": environment(args.tool_ms / 1e3, True)}
+    print(f"{args.shape}, {args.episodes} episodes x {args.turns} turns of {args.min_len}-{args.max_len} tokens "
+          f"after a {args.prompt}-token prompt, a {args.tool_ms:g} ms tool, {dtype}, "
+          f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}", flush=True)
+    warm = [run(engine, tok, tools["instant"], args, cfg.vocab_size, seed=10_000 + i)[0] for i in range(args.warmup)]
+    print(f"  warm-up runs: {', '.join(f'{s:.2f}' for s in warm)} s", flush=True)
+    rates: dict[str, list[float]] = {"instant": [], "slow": []}
+    for r in range(args.repeats):
+        for name in rates:
+            seconds, tokens, tool_s = run(engine, tok, tools[name], args, cfg.vocab_size, seed=2 * r + (name == "slow"))
+            rates[name].append(tokens / seconds)
+            print(f"  round {r} {name:8s} {seconds:6.2f} s  {tokens:7,d} tokens  {tokens / seconds:9,.0f} tok/s  "
+                  f"(tools {tool_s:.2f} s)", flush=True)
+    seconds, tokens, tool_s = run(engine, tok, tools["blocking"], args, cfg.vocab_size, seed=99)
+    blocking = tokens / seconds
+    print(f"  control  blocking {seconds:6.2f} s  {tokens:7,d} tokens  {blocking:9,.0f} tok/s  (tools {tool_s:.2f} s)")
+    ratios = [s / i for s, i in zip(rates["slow"], rates["instant"])]
+    for name, values in rates.items():
+        print(f"  {name:8s} median {statistics.median(values):9,.0f} tok/s  (min {min(values):,.0f}, "
+              f"max {max(values):,.0f})")
+    print(f"  slow / instant: median {statistics.median(ratios):.3f} (rounds: {', '.join(f'{x:.3f}' for x in ratios)})"
+          f"; blocking / instant median: {blocking / statistics.median(rates['instant']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
