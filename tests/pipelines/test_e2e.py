@@ -237,9 +237,9 @@ def test_lora_split_placement_pushes_the_adapters_alone_and_matches_hybrid(tmp_p
     assert evaluated.data.metrics["eval/arith/accuracy"] == trained.data.metrics["val/arith/greedy_score"]
 
 
-@pytest.mark.parametrize("weights", [[], LORA], ids=["full", "lora"])
-def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path, weights):
-    steps = ["trainer.total_steps=4", "trainer.save_every=2", *weights]
+def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path):
+    # full weights; a LoRA checkpoint's resume is tested below, on another number of workers
+    steps = ["trainer.total_steps=4", "trainer.save_every=2"]
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
             f"reward.function={tmp_path / 'length_reward.py'}:compute_score", *steps]
@@ -369,12 +369,11 @@ def test_mlflow_run_makes_exactly_one_run(tmp_path):
 
 
 # Each shipped algorithm config, shrunk to one tiny step, and the metrics only it logs.
+# The shipped configs that change what the driver does; those that change only the loss or the
+# advantage (gspo, cispo, drgrpo) update through the verbs in tests/stages/test_policy.py, and
+# remax.yaml runs below with dynamic sampling on top.
 ALGORITHMS = {
     "dapo.yaml": ("dynamic_sampling/rounds", "dynamic_sampling/varied_groups", "reward/overlong_penalty/mean"),
-    "gspo.yaml": (),
-    "cispo.yaml": (),
-    "drgrpo.yaml": (),
-    "remax.yaml": ("reward/greedy_baseline/mean",),
 }
 ONE_TINY_STEP = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.max_new_tokens=4",
                  "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16", "trainer.total_steps=1",
