@@ -150,11 +150,13 @@ def _confinement(mode: str, work: Path) -> str:
 
 
 def _bwrap(work: Path) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    # the private /tmp first: Python's directories and the working directory may lie under /tmp
+    # (a virtualenv there), and a mount made before it would be hidden by it
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--tmpfs", "/tmp", "--proc", "/proc",
+            "--dev", "/dev"]
     for path in _readable():
         argv += ["--ro-bind-try", path, path]
-    return argv + ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", str(work), str(work),
-                   "--chdir", str(work), "--"]
+    return argv + ["--bind", str(work), str(work), "--chdir", str(work), "--"]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
