@@ -47,8 +47,9 @@ class Advantage:
             scores = scores + penalty
             batch.metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
         # per-token rewards, for the estimators with per-token returns: an episode's turns keep theirs
-        placed = algos.token_scores(scores, mask, batch.env_rewards if batch.env_rewards.numel() else None)
-        token_rewards = placed if batch.env_rewards.numel() and alg.advantage == "reinforce_pp" else None
+        earned = batch.env_rewards if batch.env_rewards.numel() else None
+        placed = algos.token_scores(scores, mask, earned)
+        token_rewards = placed if earned is not None and alg.advantage == "reinforce_pp" else None
         if alg.kl_in_reward:
             kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
             token_rewards = algos.kl_in_reward(placed, kl, mask, self.kl_ctl.value)
