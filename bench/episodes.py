@@ -25,14 +25,12 @@ import threading
 import time
 
 import torch
-from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
-from transformers import AutoModelForCausalLM, Qwen2Config
+from shapes import QWEN25, TINY, endless_model, sync  # bench/shapes.py: bench/ is sys.path[0] when a script runs
 
 from engine.agents.env import Step
 from engine.agents.episodes import run_episodes
 from engine.agents.tools import PARSERS, Tool, ToolCall
 from engine.data.prompts import Prompt
-from engine.data.task import build_tokenizer
 from engine.rollout.base import SamplingParams
 from engine.rollout.model import NativeCausalLM
 from engine.rollout.native import NativeRollout
@@ -107,13 +105,8 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tok = build_tokenizer()
-    tok.eos_token = None  # no end token: every turn runs to its drawn length
-    cfg = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=4096, eos_token_id=None,
-                      pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    model, tok = endless_model(SHAPES[args.shape], device, dtype)  # every turn runs to its drawn length
+    cfg = model.config
     native = NativeRollout(NativeCausalLM.from_module(model), tok, max_slots=args.episodes,
                            max_len=args.prompt + args.turns * (args.max_len + 16))
     engine = Drawn(native, args.min_len, args.max_len)

@@ -18,10 +18,9 @@ import statistics
 import time
 
 import torch
-from shapes import QWEN25, TINY, copy_tbps, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
-from transformers import AutoModelForCausalLM, Qwen2Config
+from shapes import QWEN25, TINY, copy_tbps, endless_model, sync  # bench/shapes.py (bench/ is sys.path[0])
+from transformers import Qwen2Config
 
-from engine.data.task import build_tokenizer
 from engine.rollout.base import HFRollout, SamplingParams
 from engine.rollout.model import NativeCausalLM
 from engine.rollout.native import NativeRollout
@@ -89,14 +88,9 @@ def main() -> None:
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tok = build_tokenizer()
     # no EOS: every sequence generates exactly --new tokens in both engines
-    cfg = Qwen2Config(**SHAPES[args.shape], max_position_embeddings=4096, eos_token_id=None,
-                      pad_token_id=tok.pad_token_id)
-    tok.eos_token_id = None
-    torch.manual_seed(0)
-    with torch.device(device):
-        hf_model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    hf_model, tok = endless_model(SHAPES[args.shape], device, dtype)
+    cfg = hf_model.config
     prompts = torch.randint(100, cfg.vocab_size, (args.seqs, args.prompt)).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new, seed=0)
     native = NativeRollout(NativeCausalLM.from_module(hf_model), tok, max_slots=args.seqs,

@@ -25,6 +25,22 @@ TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_att
             num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 
 
+def endless_model(shape: dict, device: str, dtype: torch.dtype):
+    """(a model of `shape` with random weights (seed 0) on `device`, the embedded tokenizer), neither
+    with an end token: every sequence runs to its token limit, so runs compared side by side do
+    the same work."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from engine.data.task import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.eos_token = None
+    cfg = Qwen2Config(**shape, max_position_embeddings=4096, eos_token_id=None, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval(), tok
+
+
 def sync() -> None:
     """Wait for queued GPU work, so wall-clock timers measure it."""
     if torch.cuda.is_available():
