@@ -146,7 +146,12 @@ def _confinement(mode: str, work: Path) -> str:
     if mode == "landlock":
         calls.append(f"restrict_files({_readable() + ['/dev/null', '/dev/zero', '/dev/urandom']!r}, "
                      f"{[str(work)]!r})")
-    return Path(confine.__file__).read_text() + "\n" + "\n".join(calls)
+    return _confine_source() + "\n" + "\n".join(calls)
+
+
+@functools.cache
+def _confine_source() -> str:
+    return Path(confine.__file__).read_text()  # read once, not at every tool call
 
 
 def _bwrap(work: Path) -> list[str]:
