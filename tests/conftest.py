@@ -10,16 +10,7 @@ import torch
 from engine.data import task
 
 
-# Module fixtures that are whole runs: the tests sharing one run in one pytest-xdist worker (under
-# `--dist loadgroup`, as the README's test command runs), so it is made once, not once per worker.
-SHARED_RUNS = ("compiled_run", "dpo_run", "sft_run", "checked")
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        shared = [f"{item.module.__name__}:{f}" for f in SHARED_RUNS if f in getattr(item, "fixturenames", ())]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
