@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,13 +30,14 @@ def env(tmp_path: Path) -> dict[str, str]:
     MLflow made once per session: creating its tables costs each run about 5 s otherwise)."""
     store = tmp_path / "mlflow.db"
     if not store.exists():
-        shutil.copy(empty_store(), store)
+        shutil.copy(empty_store(tmp_path.parent), store)
     return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}", "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
 
 
 @functools.cache
-def empty_store() -> Path:
-    path = Path(tempfile.mkdtemp(prefix="rlflow-store-")) / "mlflow.db"
+def empty_store(root: Path) -> Path:
+    """An empty store in `root`, pytest's directory of this session's temporary paths (it cleans them up)."""
+    path = root / "empty-mlflow.db"
     MlflowClient(f"sqlite:///{path}").search_experiments()  # MLflow creates and migrates its tables
     return path
 
