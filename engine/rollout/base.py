@@ -21,7 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,6 +48,19 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class Request:
+    """A prompt for an engine that serves requests as they come (`serve`, the native engine's)."""
+    prompt: list[int]
+    keys: list[Any]  # one per sample, handed back with its completion; the samples share one prefill
+    limit: int = 0  # its max new tokens; 0: the params' max_new_tokens
+
+
+# feed(completions finished since the last call, with their keys; whether the engine has nothing
+# left to run, so the feed may block) -> new requests, or None once no more will come
+Feed = Callable[[list[tuple[Any, Completion]], bool], "list[Request] | None"]
 
 
 class RolloutEngine(Protocol):

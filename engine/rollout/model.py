@@ -188,6 +188,7 @@ class AttnContext:
     slots: torch.Tensor | None = None  # [B] cache slot of each row (prefill)
     start: int | torch.Tensor = 0  # prefill: tokens of these rows already in the cache (a later chunk of
     # a long prompt, all rows alike); a tensor [B]: per row (the history of a continued sequence)
+    attend: int = 0  # continued rows: cache columns attended, past every row's last (0: read off start)
     kv_lens: torch.Tensor | None = None  # [B] tokens already cached (decode: row i is slot i)
     mask: torch.Tensor | None = None  # [B, 1, 1, W] additive: 0 attend, -inf not (decode; None:
     # the Triton kernel, which reads kv_lens itself)
@@ -271,7 +272,8 @@ class Attention(nn.Module):
             # a short row's padding lands past its end (clamped into the slot), where decode writes next
             at = (ctx.slots[:, None], slice(None), cols.clamp(max=ck.shape[2] - 1))
             ck[at], cv[at] = k.transpose(1, 2), v.transpose(1, 2)  # [B, S, KV, D] at [B, S] -> (slot, col)
-            end = min(int(cols.max()) + 1, ck.shape[2])  # a short row's padding may run past the slot's end
+            # a short row's padding may run past the slot's end; read off `start`, it costs a sync a layer
+            end = min(ctx.attend or int(cols.max()) + 1, ck.shape[2])
             k, v = ck[ctx.slots, :, :end], cv[ctx.slots, :, :end]
             mask = (torch.arange(end, device=q.device) <= cols[:, :, None])[:, None]  # [B, 1, S, end]
         elif ctx.cache is not None:  # prefill: this chunk goes into its slots after `start` cached tokens
@@ -493,12 +495,12 @@ class NativeCausalLM(nn.Module):
         return loaded
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                slots: torch.Tensor | None = None, start: int | torch.Tensor = 0) -> torch.Tensor:
+                slots: torch.Tensor | None = None, start: int | torch.Tensor = 0, attend: int = 0) -> torch.Tensor:
         """Final hidden states [B, S, H] for ids/positions [B, S]: a causal forward over
         right-padded rows, which also writes each row's K/V into cache slot `slots[i]` (prefill),
         after `start` tokens already cached there (chunked prefill), or `start[i]` for row i (a
         sequence continued after its cached history)."""
-        return self._run(ids, AttnContext(*self._rope(positions), cache, slots, start=start))
+        return self._run(ids, AttnContext(*self._rope(positions), cache, slots, start=start, attend=attend))
 
     def decode(self, ids: torch.Tensor, kv_lens: torch.Tensor, cache: KVCache, width: int) -> torch.Tensor:
         """One token per row, row i being cache slot i: ids and kv_lens [B] -> hidden [B, H].

@@ -1,9 +1,11 @@
 """The native rollout engine: our compact model (engine/rollout/model.py) behind `RolloutEngine`.
 
-Continuous batching over a fixed-slot KV cache. `generate` queues (prompt, sample) requests;
-each engine step either prefills newly admitted requests (when slots are free) or decodes one
-token for every running sequence, then samples on the model's device and retires finished
-sequences, whose slots go to waiting requests.
+Continuous batching over a fixed-slot KV cache. `generate` queues (prompt, sample) requests
+(`serve` takes them as they come, from a feed); each engine step either prefills newly admitted
+requests (when slots are free) or decodes one token for every running sequence, then samples on
+the model's device and retires finished sequences, whose slots go to waiting requests. A request
+that continues a history kept in an idle slot by at most FOLD tokens skips prefill: it joins the
+decode steps at once, fed its new tokens one a step.
 
 On CUDA, decode replays a CUDA graph captured per row count (decode row i is cache slot i, so
 attention reads the cache in place), whose inputs (each slot's last token and cached count) stay
@@ -26,7 +28,7 @@ Invariants (those of engine/rollout/base.py, plus):
 - a retired sequence's slot keeps its history (the prompt and every sampled token but the last)
   until the slot is taken or the weights are written: a later prompt that continues a history
   exactly (an episode's next turn: history + sampled token + observation) takes that slot and
-  prefills only what is new;
+  takes in only what is new;
 - with tensor parallelism (`model.tp`), every rank of the TP group must call `generate` with the
   same prompts and params: logits are identical on every rank (the all-reduce's result is), so
   sampling and scheduling stay in lockstep, and `max_slots` is agreed on (the minimum);
@@ -51,7 +53,7 @@ from typing import Any
 import torch
 
 from engine.rollout import kernels
-from engine.rollout.base import Completion, SamplingParams, limits_of, stop_ids
+from engine.rollout.base import Completion, Feed, Request, SamplingParams, limits_of, stop_ids
 from engine.rollout.model import KVCache, NativeCausalLM, head_dim
 from engine.tensors import fused, to_device
 
@@ -59,10 +61,12 @@ from engine.tensors import fused, to_device
 @dataclass
 class _Seq:
     prompt: list[int]
-    index: int  # position in the flat output: prompt_i * n + sample_j
+    key: Any  # handed back with its completion
     slot: int = -1
     cached: int = 0  # the prompt's first tokens already in the slot's cache (a continued sequence)
     limit: int = 0  # max new tokens
+    feeding: list[int] = field(default_factory=list)  # prompt tokens still to go in through decode steps
+    void: int = 0  # results of steps launched on a fed token that is not the prompt's last: dropped
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = ""  # "" while running, then "stop" | "length"
@@ -173,6 +177,46 @@ class NativeRollout:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
+        limits = limits_of(prompts, params)
+        out: dict[tuple[int, int], Completion] = {}  # by (prompt, sample)
+        requests: list[Request] | None = [Request(p, [(i, j) for j in range(params.n)], limits[i])
+                                          for i, p in enumerate(prompts)]
+
+        def feed(finished: list[tuple[Any, Completion]], wait: bool) -> list[Request] | None:
+            nonlocal requests
+            out.update(finished)
+            given, requests = requests, None
+            return given
+
+        self._run(params, feed, spare=False)
+        return [[out[i, j] for j in range(params.n)] for i in range(len(prompts))]
+
+    @property
+    def streams(self) -> bool:
+        """Whether `serve` can run: one rank alone (TP ranks must see the same requests at the same steps)."""
+        return self.model.tp.size == 1
+
+    def serve(self, params: SamplingParams, feed: Feed) -> None:
+        """Generate for requests as they come: `feed(finished, wait)` gets the completions finished
+        since its last call, with their keys, and gives new requests, or None once no more will
+        come; `wait` says the engine has nothing left to run, so it may block until it has some.
+        It is called between engine steps, so a request's completion is handed back at once and
+        a follow-up (an episode's next turn) is admitted while the others decode.
+
+        A free slot that holds no history is taken before one that does, so a history stays while
+        its episode's next turn may come. Samples depend on the order requests arrive in."""
+        self._ready()
+        if not self.streams:
+            raise RuntimeError("serve needs one rank: tensor-parallel ranks must generate in lockstep")
+        self._run(params, feed, spare=True)
+
+    # serving, fresh requests that trickle in wait until they are 1/FRACTION of those running, or for
+    # PATIENCE steps: each admission is a prefill step that holds every running sequence for one step
+    FRACTION, PATIENCE = 8, 8
+
+    def _run(self, params: SamplingParams, feed: Feed, spare: bool) -> None:
+        """The engine's loop: see `serve`. With `spare` (serving), free slots without a kept history
+        go first, and admissions are gathered (FRACTION, PATIENCE)."""
         self._ids.zero_()  # every slot idle
         self._kv_lens.zero_()
         in_graph = self._samples_in_graph(params)
@@ -185,28 +229,42 @@ class NativeRollout:
             self._inv_t.fill_(1.0 / params.temperature)
         stops = set(stop_ids(self.tokenizer, params))
         generator = torch.Generator(self.device).manual_seed(params.seed)
-        limits = limits_of(prompts, params)
-        waiting = deque(_Seq(p, i * params.n + j, limit=limits[i]) for i, p in enumerate(prompts)
-                        for j in range(params.n))
-        done: list[Completion | None] = [None] * len(waiting)
+        waiting: deque[_Seq] = deque()
         # the end goes first: slot 0, then a slot just retired, so busy slots stay low (decode runs
         # rows 0..the highest busy one) and a call's schedule does not depend on the histories kept
         free = list(range(self.max_slots - 1, -1, -1))
-        reserved = self._reserve(waiting)
+        reserved: dict[int, _Seq] = {}
+        stalled = 0  # steps since requests last were admitted, while some wait
         running: list[_Seq] = []
+        finished: list[tuple[Any, Completion]] = []
+        more = True  # whether feed may give more requests
         rows: torch.Tensor | None = None  # running's slots on the device, while running is unchanged
         ahead: list[_Seq] | None = None  # the sequences of a sampling decode launched before the last was read
         with torch.inference_mode():
             self._lap("")
-            while waiting or running:
-                # schedule: admit what fits, else decode everyone; run; sample; retire
-                admitted = self._admit(waiting, free, reserved) if ahead is None else []
+            while True:
+                if more:
+                    more = self._take(feed(finished, not waiting and not running), params, waiting, reserved)
+                    finished = []
+                if not (waiting or running):
+                    if more:
+                        continue
+                    break
+                # schedule: join continued sequences to decode, admit what fits, else decode
+                # everyone; run; sample; retire
+                joined = self._join(waiting, free, reserved)
+                if joined:
+                    running, rows = running + joined, None
+                due = bool(waiting and free) and (not spare or not running or stalled >= self.PATIENCE
+                                                 or len(waiting) * self.FRACTION >= len(running))
+                admitted = self._admit(waiting, free, reserved, spare) if ahead is None and due else []
+                stalled = 0 if admitted or not waiting else stalled + 1
                 self._lap("schedule")
                 stepped = admitted or running
                 if in_graph and not admitted:  # one replay: decode, sample, next inputs
-                    # the next step is a decode too unless requests wait for free slots
+                    # the next step is a decode too unless waiting requests are due a prefill
                     stepped, ahead, tokens_list, logprobs_list = self._sampled_step(
-                        running, ahead, generator, then_decode=bool(running) and not (waiting and free))
+                        running, ahead, generator, then_decode=bool(running) and not due)
                     self._lap("decode")
                 else:
                     if admitted:
@@ -225,12 +283,15 @@ class NativeRollout:
                 for seq, tok, lp in zip(stepped, tokens_list, logprobs_list):
                     if seq.finish:  # retired after a step launched ahead of it: that step's token is void
                         continue
+                    if seq.void:  # the step fed a prompt token: its sample is the next prompt token's place
+                        seq.void -= 1
+                        continue
                     seq.tokens.append(tok)
                     seq.logprobs.append(lp)
                     seq.finish = self._finish(seq, stops, params)
                     if seq.finish:
                         retired.append(seq)
-                        done[seq.index] = Completion(seq.tokens, seq.logprobs, seq.finish)
+                        finished.append((seq.key, Completion(seq.tokens, seq.logprobs, seq.finish)))
                 if admitted or retired:
                     running, rows = [s for s in running + admitted if not s.finish], None
                 if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
@@ -238,8 +299,25 @@ class NativeRollout:
                     self._kv_lens[to_device(torch.tensor([s.slot for s in retired]), self.device)] = 0
                     free.extend(s.slot for s in retired)
                 self._lap("schedule")
-        flat = [c for c in done if c is not None]
-        return [flat[i:i + params.n] for i in range(0, len(flat), params.n)]
+        if finished:
+            feed(finished, False)
+
+    def _take(self, requests: list[Request] | None, params: SamplingParams, waiting: deque[_Seq],
+              reserved: dict[int, _Seq]) -> bool:
+        """Queue `requests` (a request's samples share one prompt list, so one prefill); False for None."""
+        if requests is None:
+            return False
+        seqs = []
+        for r in requests:
+            limit = r.limit or params.max_new_tokens
+            if not r.prompt or len(r.prompt) + limit > self.max_len:
+                raise ValueError(f"a request of {len(r.prompt)} prompt tokens and {limit} new ones does not fit "
+                                 f"max_len={self.max_len} (or its prompt is empty)")
+            seqs += [_Seq(r.prompt, key, limit=limit) for key in r.keys]
+        continuing = self._reserve(seqs, reserved)  # to the front: fresh prompts must not take their slots
+        waiting.extendleft(reversed(continuing))
+        waiting.extend(s for s in seqs if reserved.get(s.slot) is not s)
+        return True
 
     def _samples_in_graph(self, params: SamplingParams) -> bool:
         """Whether decode steps sample inside their CUDA graph: plain sampling with the Triton sampler."""
@@ -275,11 +353,7 @@ class NativeRollout:
         self._lap_start = now
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        if self.cache.k is None:
-            raise RuntimeError("KV cache released: call resume_memory() before generate()")
-        if self.model.weights_lost:
-            raise RuntimeError("weights released by release_memory(weights=True): write them (load_weights or a "
-                               "reshard) before generate()")
+        self._ready()
         longest = max((len(p) for p in prompts), default=0)
         if longest + params.max_new_tokens > self.max_len:
             raise ValueError(f"prompt ({longest}) + max_new_tokens ({params.max_new_tokens}) > max_len "
@@ -287,7 +361,58 @@ class NativeRollout:
         if any(not p for p in prompts):
             raise ValueError("empty prompt")
 
-    def _admit(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq]) -> list[_Seq]:
+    def _ready(self) -> None:
+        if self.cache.k is None:
+            raise RuntimeError("KV cache released: call resume_memory() before generate()")
+        if self.model.weights_lost:
+            raise RuntimeError("weights released by release_memory(weights=True): write them (load_weights or a "
+                               "reshard) before generate()")
+
+    # a continued sequence with at most FOLD new tokens takes them in through decode steps, one a step
+    # beside the others' decoding (the decode graph's cost per row is small), instead of a prefill
+    # step that holds every running sequence (its launches alone cost tens of ms on CUDA)
+    FOLD = 64
+
+    def _join(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq]) -> list[_Seq]:
+        """Move the waiting sequences that continue an idle slot's history by at most FOLD tokens
+        into that slot, their new tokens to be fed by the decode steps they join (`_feed`)."""
+        joined = [s for s in reserved.values() if len(s.prompt) - s.cached <= self.FOLD]
+        if not joined:
+            return []
+        taken = {id(s) for s in joined}
+        kept = [s for s in waiting if id(s) not in taken]
+        waiting.clear()
+        waiting.extend(kept)
+        for s in joined:
+            del reserved[s.slot]
+            free.remove(s.slot)
+            self._forget(s.slot)
+            s.feeding = s.prompt[s.cached:]
+        self.prefilled += sum(len(s.feeding) for s in joined)
+        self.reused += sum(s.cached for s in joined)
+        slots = to_device(torch.tensor([s.slot for s in joined]), self.device)
+        self._restore(slots)
+        self._kv_lens[slots] = to_device(torch.tensor([s.cached for s in joined]), self.device)
+        return joined
+
+    def _feed(self, batch: list[_Seq]) -> None:
+        """Before a decode step over `batch`: each sequence still being fed gets its next prompt token
+        as input; the step's sample for it is void unless that token is the prompt's last."""
+        fed = [s for s in batch if s.feeding]
+        if not fed:
+            return
+        for s in fed:
+            s.void += len(s.feeding) > 1
+        slots, tokens = to_device(torch.tensor([[s.slot, s.feeding.pop(0)] for s in fed]).T, self.device)
+        self._ids[slots] = tokens
+
+    def _restore(self, slots: torch.Tensor) -> None:
+        """The histories' column 0 back into `slots`, over what idle decode rows wrote there."""
+        assert self.cache.k is not None and self.cache.v is not None
+        self.cache.k[:, slots, :, 0] = self._col0[0][:, slots]
+        self.cache.v[:, slots, :, 0] = self._col0[1][:, slots]
+
+    def _admit(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq], spare: bool) -> list[_Seq]:
         """Move waiting requests into free slots while their distinct prompts fit the padded
         prefill-token budget; a prompt longer than the budget comes alone (and is chunked). A prompt
         that continues what an idle slot holds takes that slot (`reserved` for it) and prefills only
@@ -302,7 +427,7 @@ class NativeRollout:
             if batch and len(prompts | {id(seq.prompt)}) * width > self.max_prefill_tokens:
                 break
             prompts.add(id(waiting.popleft().prompt))
-            slot = seq.slot if cached else next((s for s in reversed(free) if s not in reserved), free[-1])
+            slot = seq.slot if cached else self._free_slot(free, reserved, spare)
             evicted = reserved.pop(slot, None)
             if evicted is not None and evicted is not seq:  # no slot left but one a later prompt continues
                 evicted.cached = 0
@@ -312,21 +437,26 @@ class NativeRollout:
             batch.append(seq)
         return batch
 
-    def _reserve(self, waiting: deque[_Seq]) -> dict[int, _Seq]:
-        """{idle slot: the waiting request that continues its history}, at most one request a slot
-        (a prompt's other samples prefill it again from the first one's, see `_prefill`). Those
-        requests move to the front of `waiting`, so the others do not take their slots."""
-        reserved: dict[int, _Seq] = {}
+    def _free_slot(self, free: list[int], reserved: dict[int, _Seq], spare: bool) -> int:
+        """The free slot a fresh request takes: the last freed that no waiting request continues
+        (with `spare`, nor holds a history: its episode's next turn may still come), else the last."""
+        unreserved = (s for s in reversed(free) if s not in reserved)
+        if spare:
+            unreserved = (s for s in reversed(free) if s not in reserved and s not in self._cached)
+        return next(unreserved, next((s for s in reversed(free) if s not in reserved), free[-1]))
+
+    def _reserve(self, seqs: list[_Seq], reserved: dict[int, _Seq]) -> list[_Seq]:
+        """Reserve for each of `seqs` that continues an idle slot's history that slot, at most one
+        request a slot (a prompt's other samples prefill it again from the first one's, see
+        `_prefill`); returns those requests, which must wait ahead of the others."""
+        found: list[_Seq] = []
         lengths = sorted({n for n, _ in self._index})
-        for seq in waiting if self._index else ():
+        for seq in seqs if self._index else ():
             slot, cached = self._continued(seq.prompt, lengths)
             if slot >= 0 and slot not in reserved:
                 reserved[slot], seq.slot, seq.cached = seq, slot, cached
-        if reserved:
-            rest = [s for s in waiting if reserved.get(s.slot) is not s]
-            waiting.clear()
-            waiting.extend(list(reserved.values()) + rest)
-        return reserved
+                found.append(seq)
+        return found
 
     # -- histories kept in idle slots: a multi-turn episode's next turn prefills its new tokens only
     TAIL = 16  # ids of a history's end that index it
@@ -378,10 +508,8 @@ class NativeRollout:
         slots = torch.tensor([s.slot for s in rows], device=self.device)
         cached = torch.tensor([s.cached for s in rows], device=self.device)
         continued = any(s.cached for s in rows)
-        if continued:  # the histories' column 0 back, over what idle decode rows wrote there
-            assert self.cache.k is not None and self.cache.v is not None
-            self.cache.k[:, slots, :, 0] = self._col0[0][:, slots]
-            self.cache.v[:, slots, :, 0] = self._col0[1][:, slots]
+        if continued:
+            self._restore(slots)
         positions = cached[:, None] + torch.arange(ids.shape[1], device=self.device)
         self.prefilled += sum(lens)
         self.reused += sum(s.cached for s in rows)
@@ -389,7 +517,8 @@ class NativeRollout:
         chunk = self.max_prefill_tokens
         for start in range(0, ids.shape[1], chunk):
             hidden = self.model(ids[:, start:start + chunk], positions[:, start:start + chunk], self.cache, slots,
-                                cached + start if continued else start)  # [P, S, H]
+                                cached + start if continued else start,
+                                max(s.cached for s in rows) + start + min(chunk, ids.shape[1] - start))  # [P, S, H]
         owner = torch.tensor([first[id(s.prompt)] for s in batch], device=self.device)  # [B]
         self._share(slots[owner], torch.tensor([s.slot for s in batch], device=self.device),
                     max(len(s.prompt) for s in rows))
@@ -412,6 +541,7 @@ class NativeRollout:
         Decode runs over rows 0..R-1 with row i on slot i, from the inputs `_advance` left (R
         covers the highest busy slot, rounded up to a captured graph size on CUDA); idle rows are
         computed and dropped."""
+        self._feed(batch)
         if self.graphs is None:
             busy = max(s.slot for s in batch) + 1
             kv_lens = self._kv_lens[:busy]
@@ -444,6 +574,7 @@ class NativeRollout:
     def _launch_sampled(self, batch: list[_Seq], generator: torch.Generator) -> None:
         """Queue a decode step that also samples, as one graph replay (see `_graph_body`) after the
         rows' uniforms are drawn; its (token, logprob) pairs land in `_picked`, by slot."""
+        self._feed(batch)
         rows = self._graph_rows(batch)
         self._uniform[:rows].uniform_(generator=generator)
         assert self.graphs is not None

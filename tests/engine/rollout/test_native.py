@@ -195,10 +195,11 @@ def test_nan_weights_stop_generation_with_a_clear_error(model_dir, tok):
 
 
 def test_a_continued_sequence_prefills_only_its_new_tokens(model_dir, hf, tok):
-    """Turn 2 of an episode (turn 1's prompt + its sampled tokens + an observation) prefills the
-    observation and the one sampled token no decode fed, and reads the rest from the slot that
-    turn 1 left: the same tokens and logprobs as an engine that prefills it all, also after idle
-    decode rows scribbled on the slots' column 0. New weights make the cache stale: all again."""
+    """Turn 2 of an episode (turn 1's prompt + its sampled tokens + an observation) takes in the
+    observation and the one sampled token no decode fed, through decode steps (both are at most
+    FOLD tokens), and reads the rest from the slot that turn 1 left: the same tokens and logprobs
+    as an engine that prefills it all, also after idle decode rows scribbled on the slots' column
+    0. New weights make the cache stale: all again."""
     first = NativeRollout(model_dir, tok, max_slots=8, max_len=96, max_prefill_tokens=16)
     turn1 = first.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=1.0, n=2, max_new_tokens=9))
     samples = [tok.encode(t) + c.token_ids for t, g in zip(TEXTS, turn1) for c in g]  # 10 histories, 8 slots
@@ -224,8 +225,10 @@ def test_a_continued_sequence_prefills_only_its_new_tokens(model_dir, hf, tok):
 
 def test_continued_rows_of_very_different_lengths_share_a_prefill(model_dir, tok):
     """One continued row near the end of its slot, another with a long new part: the short row's
-    padding runs past its slot's end and is clamped there, and both match a full prefill."""
+    padding runs past its slot's end and is clamped there, and both match a full prefill (the
+    prefill path: with FOLD 0 no new tokens go in through decode steps)."""
     engine = NativeRollout(model_dir, tok, max_slots=4, max_len=40)
+    engine.FOLD = 0
     long_prompt, short_prompt = tok.encode("12+34=46, 56+78=134, 9+9="), tok.encode("1+1=")
     first = engine.generate([long_prompt, short_prompt], SamplingParams(temperature=0.0, max_new_tokens=6))
     turn2 = [long_prompt + first[0][0].token_ids + tok.encode("!"),

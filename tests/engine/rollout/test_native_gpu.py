@@ -67,6 +67,23 @@ def test_sampled_logprobs_match_training_forward(model_dir, dtype, tol):
     assert diffs.mean() < tol
 
 
+def test_continued_sequences_sampled_in_the_graphs_score_as_the_trainer_does(model_dir):
+    """Turn 2 of 40 episodes over 16 slots, sampled inside the decode graphs (bf16, each step
+    launched before the last is read): the histories still cached take their new tokens in through
+    decode steps beside the others' decoding, and the logprobs match a training forward over each
+    whole history."""
+    tok, hf, graphs, _ = engines(model_dir, torch.bfloat16)
+    first = graphs.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=0.8, max_new_tokens=12, seed=2))
+    turn2 = [tok.encode(t) + g[0].token_ids + tok.encode(f"->{i}.") for i, (t, g) in enumerate(zip(TEXTS, first))]
+    reused = graphs.reused
+    flat = [g[0] for g in graphs.generate(turn2, SamplingParams(temperature=0.8, max_new_tokens=16, seed=3))]
+    assert graphs.reused - reused >= 16 * 5, "the 16 histories cached are continued, not prefilled again"
+    logp = trainer_logprobs(hf, turn2, 1, flat, tok.pad_token_id, 0.8).float().cpu()
+    diffs = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
+    print(f"\ncontinued, bf16: mean |dlogprob| {diffs.mean():.2e}, max {diffs.max():.2e} over {len(diffs)} tokens")
+    assert diffs.mean() < 5e-2
+
+
 def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
     """Releasing the KV cache frees its device memory for others (here: tensors allocated in
     between); resuming maps it again at the same addresses, so the captured decode graphs are
@@ -106,7 +123,7 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_continued_sequences_on_the_graph_path(model_dir, dtype):
     """Turn 2 of 40 episodes over 16 slots, on CUDA graphs (bf16: sampling inside them, a step
-    launched ahead of the last read): the 16 histories still cached prefill their new tokens only,
+    launched ahead of the last read): the 16 histories still cached take in their new tokens only,
     and the greedy turn matches an engine that prefills everything (fp32: exactly; bf16: logprobs
     within bf16's noise, most tokens alike)."""
     tok = AutoTokenizer.from_pretrained(model_dir)
