@@ -4,25 +4,31 @@
 
 Random weights in the given shape (bench/shapes.py), bf16 on the GPU (fp32 on CPU), random
 prompts, the native engine, and the real episode loop (engine/agents/episodes.py): each turn's
-tool call is parsed, run among the turn's calls at once, rendered by the chat template and
-appended as ids, and the next turn continues the history in its slot. Random weights never write
-a call or an end token, so both are forced: every turn ends at a length drawn per episode and turn
-from [--min-len, --max-len] (a per-prompt limit) and calls the tool once. Three tools:
+tool call is parsed, run, rendered by the chat template and appended as ids, and the next turn
+continues the history in its slot. Random weights never write a call or an end token, so both
+are forced: every turn ends at a length drawn per episode and turn from [--min-len, --max-len]
+(a per-prompt limit) and calls the tool once. Two loops:
+- overlapped (the native engine's): a turn's call starts as soon as the turn ends, while the
+  other episodes decode, and the next turn joins the engine when it returns;
+- turn-by-turn (hf's and vllm's): all episodes' turns, then all their calls at once, then the next.
+Three tools:
 - instant: returns at once;
-- slow: sleeps --tool-ms a call, the calls of a turn running at once, as the loop runs them;
+- slow: sleeps --tool-ms a call, calls running at once;
 - blocking (the control): sleeps as long, one call at a time, as if each ran in the engine's loop.
-Instant and slow alternate for --repeats rounds after --warmup runs, each round on fresh prompts (so
-no kept history helps); the control runs once. Prints each one's new (sampled) tokens/s, and
-slow/instant per round.
+Each loop runs instant and slow for --repeats rounds after --warmup runs, each round on fresh prompts
+(so no kept history helps); the control runs once, overlapped. Prints each one's new (sampled)
+tokens/s, slow/instant per round and loop, and overlapped/turn-by-turn with the slow tool.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import threading
 import time
+from dataclasses import replace
 
 import torch
 from shapes import QWEN25, TINY, endless_model, sync  # bench/shapes.py: bench/ is sys.path[0] when a script runs
@@ -31,11 +37,12 @@ from engine.agents.env import Step
 from engine.agents.episodes import run_episodes
 from engine.agents.tools import PARSERS, Tool, ToolCall
 from engine.data.prompts import Prompt
-from engine.rollout.base import SamplingParams
+from engine.rollout.base import Feed, SamplingParams
 from engine.rollout.model import NativeCausalLM
 from engine.rollout.native import NativeRollout
 
 SHAPES = {**QWEN25, "tiny": TINY}
+MODES = ("overlapped", "turn-by-turn")  # calls while the others generate (the native default), or between turns
 PARSERS["every_turn"] = lambda text: [ToolCall("wait")]  # random weights never write a call: each turn makes one
 
 
@@ -45,21 +52,34 @@ class Drawn:
 
     def __init__(self, engine: NativeRollout, low: int, high: int) -> None:
         self.engine, self.low, self.high = engine, low, high
+        self.streams = engine.streams
+
+    def draw(self, prompt: list[int]) -> int:
+        return random.Random(hash((tuple(prompt[:8]), len(prompt)))).randint(self.low, self.high)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams):
-        limits = [random.Random(hash((tuple(p[:8]), len(p)))).randint(self.low, self.high) for p in prompts]
-        return self.engine.generate(prompts, SamplingParams(**{**vars(params), "limits": limits}))
+        return self.engine.generate(prompts, replace(params, limits=[self.draw(p) for p in prompts]))
+
+    def serve(self, params: SamplingParams, feed: Feed) -> None:
+        def drawn(finished, wait):
+            new = feed(finished, wait)
+            return None if new is None else [replace(r, limit=self.draw(r.prompt)) for r in new]
+
+        self.engine.serve(params, drawn)
 
 
-def environment(seconds: float, one_at_a_time: bool) -> type:
+def environment(seconds: float, one_at_a_time: bool, straggle: float = 1.0) -> type:
+    """A tool that sleeps `seconds` a call (`straggle` times as long on every 16th call)."""
     lock = threading.Lock() if one_at_a_time else None
+    calls = itertools.count()
 
     def wait() -> str:
+        pause = seconds * (straggle if next(calls) % 16 == 0 else 1.0)
         if lock is None:
-            time.sleep(seconds)
+            time.sleep(pause)
         else:
             with lock:
-                time.sleep(seconds)
+                time.sleep(pause)
         return "ok"
 
     class Env:
@@ -75,7 +95,8 @@ def environment(seconds: float, one_at_a_time: bool) -> type:
     return Env
 
 
-def run(engine: Drawn, tok, env: type, args: argparse.Namespace, vocab: int, seed: int) -> tuple[float, int, float]:
+def run(engine: Drawn, tok, env: type, args: argparse.Namespace, vocab: int, seed: int,
+        overlap: bool = True) -> tuple[float, int, float]:
     """(seconds, sampled tokens, tool seconds) of one batch of episodes on fresh prompts."""
     gen = torch.Generator().manual_seed(seed)
     prompts = [Prompt(ids, "bench", "", {}, "") for ids in
@@ -84,7 +105,8 @@ def run(engine: Drawn, tok, env: type, args: argparse.Namespace, vocab: int, see
     sync()
     start = time.perf_counter()
     episodes, metrics = run_episodes(engine, tok, prompts, params, env, max_turns=args.turns,
-                                     tokens=args.turns * (args.max_len + 16), timeout_s=60, on_error="raise")
+                                     tokens=args.turns * (args.max_len + 16), timeout_s=60, on_error="raise",
+                                     overlap=overlap)
     sync()
     seconds = time.perf_counter() - start
     assert all(e.turns == args.turns and e.tool_calls == args.turns for e in episodes), "every turn ran and called"
@@ -100,6 +122,8 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=16)
     ap.add_argument("--max-len", type=int, default=48)
     ap.add_argument("--tool-ms", type=float, default=50.0)
+    ap.add_argument("--straggle", type=float, default=20.0,
+                    help="the straggler tool's every 16th call is this much slower")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="untimed runs first: graph capture, compiled prefill shapes")
     args = ap.parse_args()
@@ -111,28 +135,39 @@ def main() -> None:
                            max_len=args.prompt + args.turns * (args.max_len + 16))
     engine = Drawn(native, args.min_len, args.max_len)
     tools = {"instant": environment(0.0, False), "slow": environment(args.tool_ms / 1e3, False),
+             "straggler": environment(args.tool_ms / 1e3, False, args.straggle),
              "blocking": environment(args.tool_ms / 1e3, True)}
     print(f"{args.shape}, {args.episodes} episodes x {args.turns} turns of {args.min_len}-{args.max_len} tokens "
           f"after a {args.prompt}-token prompt, a {args.tool_ms:g} ms tool, {dtype}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}", flush=True)
     warm = [run(engine, tok, tools["instant"], args, cfg.vocab_size, seed=10_000 + i)[0] for i in range(args.warmup)]
     print(f"  warm-up runs: {', '.join(f'{s:.2f}' for s in warm)} s", flush=True)
-    rates: dict[str, list[float]] = {"instant": [], "slow": []}
+    rates: dict[tuple[str, str], list[float]] = {}
     for r in range(args.repeats):
-        for name in rates:
-            seconds, tokens, tool_s = run(engine, tok, tools[name], args, cfg.vocab_size, seed=2 * r + (name == "slow"))
-            rates[name].append(tokens / seconds)
-            print(f"  round {r} {name:8s} {seconds:6.2f} s  {tokens:7,d} tokens  {tokens / seconds:9,.0f} tok/s  "
-                  f"(tools {tool_s:.2f} s)", flush=True)
+        for mode in MODES:
+            for k, name in enumerate(("instant", "slow", "straggler")):
+                seconds, tokens, tool_s = run(engine, tok, tools[name], args, cfg.vocab_size,
+                                              seed=3 * r + k, overlap=mode == "overlapped")
+                rates.setdefault((mode, name), []).append(tokens / seconds)
+                print(f"  round {r} {mode:12s} {name:8s} {seconds:6.2f} s  {tokens:7,d} tokens  "
+                      f"{tokens / seconds:9,.0f} tok/s  (waited on tools {tool_s:.2f} s)", flush=True)
     seconds, tokens, tool_s = run(engine, tok, tools["blocking"], args, cfg.vocab_size, seed=99)
     blocking = tokens / seconds
-    print(f"  control  blocking {seconds:6.2f} s  {tokens:7,d} tokens  {blocking:9,.0f} tok/s  (tools {tool_s:.2f} s)")
-    ratios = [s / i for s, i in zip(rates["slow"], rates["instant"])]
-    for name, values in rates.items():
-        print(f"  {name:8s} median {statistics.median(values):9,.0f} tok/s  (min {min(values):,.0f}, "
+    print(f"  control {'overlapped':12s} blocking {seconds:6.2f} s  {tokens:7,d} tokens  {blocking:9,.0f} tok/s  "
+          f"(waited on tools {tool_s:.2f} s)")
+    for (mode, name), values in rates.items():
+        print(f"  {mode:12s} {name:8s} median {statistics.median(values):9,.0f} tok/s  (min {min(values):,.0f}, "
               f"max {max(values):,.0f})")
-    print(f"  slow / instant: median {statistics.median(ratios):.3f} (rounds: {', '.join(f'{x:.3f}' for x in ratios)})"
-          f"; blocking / instant median: {blocking / statistics.median(rates['instant']):.3f}")
+    for mode in MODES:
+        for name in ("slow", "straggler"):
+            ratios = [s / i for s, i in zip(rates[mode, name], rates[mode, "instant"])]
+            print(f"  {mode:12s} {name} / instant: median {statistics.median(ratios):.3f} "
+                  f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")
+    for name in ("instant", "slow", "straggler"):
+        ratios = [o / t for o, t in zip(rates["overlapped", name], rates["turn-by-turn", name])]
+        print(f"  {name} tool, overlapped / turn-by-turn: median {statistics.median(ratios):.3f} "
+              f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)})")
+    print(f"  blocking / overlapped instant median: {blocking / statistics.median(rates['overlapped', 'instant']):.3f}")
 
 
 if __name__ == "__main__":

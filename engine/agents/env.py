@@ -6,6 +6,7 @@ An environment is a class named by `rollout.env` as "package.module:Class" or
     class MyEnv:
         tools = [...]              # optional: engine.agents.tools.Tool, offered through the chat template
         tool_parser = "hermes"     # optional: how calls are read from the model's text (tools.PARSERS)
+        overlap = False            # optional: True runs calls while other episodes generate (episodes.py)
 
         def __init__(self, prompt):              # engine.data.prompts.Prompt: the dataset row
             ...
@@ -18,7 +19,8 @@ goes to `step`, whose observation (a string: one user message; or chat messages,
 chat template) follows it, unless `done`. An episode's reward is the sum of its steps' rewards.
 
 Invariants:
-- `__init__` and `step` run in threads, all of a turn's episodes at once, each call bounded by
+- `__init__` and `step` run in threads, all of a turn's episodes at once (with `overlap`, each
+  episode's as soon as its turn is sampled), each call bounded by
   `reward.timeout_s`: a call past it is abandoned (its thread left behind, as a reward function's
   is) and its episode ends;
 - an environment that raises, times out or returns something that is not a `Step` (or a tuple

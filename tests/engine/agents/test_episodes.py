@@ -52,15 +52,43 @@ class Talk:
 
 
 class Recording:
-    """A real engine, with every call's prompts and completions kept for the test to compare."""
+    """A real engine, with every (episode, prompt, completion) it made kept for the test to compare:
+    the episode's index (the first `generate`, whose order is the episodes'), the episode itself
+    (`serve`, whose keys are the episodes), or None (found by its prompt)."""
 
-    def __init__(self, engine):
-        self.engine, self.calls = engine, []
+    def __init__(self, engine, overlap=False):
+        self.engine, self.pairs, self.streams = engine, [], overlap
 
     def generate(self, prompts, params):
         out = self.engine.generate(prompts, params)
-        self.calls.append(([list(p) for p in prompts], out))
+        first = not self.pairs
+        for i, (p, group) in enumerate(zip(prompts, out)):
+            self.pairs += [(i * params.n + j if first else None, list(p), c) for j, c in enumerate(group)]
         return out
+
+    def serve(self, params, feed):
+        asked = {}
+
+        def recorded(finished, wait):
+            self.pairs += [(e, asked.pop(id(e)), c) for e, c in finished]
+            new = feed(finished, wait)
+            asked.update((id(e), list(r.prompt)) for r in new or [] for e in r.keys)
+            return new
+
+        self.engine.serve(params, recorded)
+
+    def turns(self, episodes):
+        """Per episode, its (offset in its response, completion) pairs in order."""
+        out = [[] for _ in episodes]
+        for key, p, c in self.pairs:
+            if isinstance(key, Episode):
+                i = next(i for i, e in enumerate(episodes) if e is key)
+            elif key is None:
+                i = next(i for i, e in enumerate(episodes) if e.prompt.ids + e.ids[:len(p) - len(e.prompt.ids)] == p)
+            else:
+                i = key
+            out[i].append((len(p) - len(episodes[i].prompt.ids), c))
+        return [sorted(t, key=lambda pair: pair[0]) for t in out]
 
 
 def prompts_of(tok, texts):
@@ -79,25 +107,21 @@ def engine_of(backend: str, model_dir, tok):
     return VLLMRollout(model_dir, tok, 160, torch.float32)
 
 
-@pytest.mark.parametrize("backend", ["native", "hf", pytest.param("vllm", marks=pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm extra not installed"))])
-def test_the_ids_trained_on_are_the_ids_sampled(merging_model, backend):
+NO_VLLM = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm extra not installed")
+
+
+@pytest.mark.parametrize("backend,overlap", [("native", True), ("native", False), ("hf", False),
+                                             pytest.param("vllm", False, marks=NO_VLLM)],
+                         ids=["native-overlapped", "native", "hf", "vllm"])
+def test_the_ids_trained_on_are_the_ids_sampled(merging_model, backend, overlap):
     tok = AutoTokenizer.from_pretrained(merging_model)
-    engine = engine_of(backend, merging_model, tok)
-    recorded = Recording(engine)
+    recorded = Recording(engine_of(backend, merging_model, tok), overlap)
     prompts = prompts_of(tok, ["[user]ab 12 ab>", "[user]say 1212>", "[user]abab>"])
     params = SamplingParams(temperature=1.0, n=4, max_new_tokens=10, seed=5)
     episodes, metrics = run_episodes(recorded, tok, prompts, params, Talk, max_turns=3, tokens=96, timeout_s=5,
-                                     on_error="raise")
-    sampled = [[] for _ in episodes]  # per episode: (offset in its response, completion)
-    for i, c in enumerate(c for group in recorded.calls[0][1] for c in group):
-        sampled[i].append((0, c))
-    for call_prompts, out in recorded.calls[1:]:
-        for p, (c,) in zip(call_prompts, out):
-            i = next(i for i, e in enumerate(episodes) if e.prompt.ids + e.ids[:len(p) - len(e.prompt.ids)] == p)
-            sampled[i].append((len(p) - len(episodes[i].prompt.ids), c))
+                                     on_error="raise", overlap=overlap)
     changed = 0
-    for e, turns in zip(episodes, sampled):
+    for e, turns in zip(episodes, recorded.turns(episodes)):
         assert len(turns) == e.turns == 3 and e.done and e.reward == pytest.approx(0.75)
         trained = [t for t, m in zip(e.ids, e.mask) if m]
         assert trained == [t for _, c in turns for t in c.token_ids], "trained ids are the sampled ids, in order"
@@ -116,31 +140,61 @@ def test_the_ids_trained_on_are_the_ids_sampled(merging_model, backend):
     assert metrics["episode/turns/mean"] == 3 and metrics["episode/truncated"] == 0
 
 
-def test_the_native_engine_prefills_only_each_turns_new_tokens(merging_model):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "turn-by-turn"])
+def test_the_native_engine_prefills_only_each_turns_new_tokens(merging_model, overlap):
     tok = AutoTokenizer.from_pretrained(merging_model)
     engine = NativeRollout(merging_model, tok, max_slots=16, max_len=160)
-    counts = []
-
-    class Counting(Recording):
-        def generate(self, prompts, params):
-            before = (engine.prefilled, engine.reused)
-            out = super().generate(prompts, params)
-            counts.append((engine.prefilled - before[0], engine.reused - before[1]))
-            return out
-
-    recorded = Counting(engine)
+    recorded = Recording(engine, overlap)
     prompts = prompts_of(tok, ["[user]ab 12 ab>", "[user]say 1212>", "[user]abab>"])
     episodes, _ = run_episodes(recorded, tok, prompts, SamplingParams(temperature=1.0, n=4, max_new_tokens=10, seed=1),
-                               Talk, max_turns=3, tokens=96, timeout_s=5, on_error="raise")
-    assert counts[0] == (sum(len(p.ids) for p in prompts), 0), "turn 1: each prompt once for its 4 samples"
-    for (call_prompts, _), (prefilled, reused) in zip(recorded.calls[1:], counts[1:]):
-        new = 0
-        for p in call_prompts:
-            e = next(e for e in episodes if e.prompt.ids + e.ids[:len(p) - len(e.prompt.ids)] == p)
-            history = e.mask[:len(p) - len(e.prompt.ids)]
+                               Talk, max_turns=3, tokens=96, timeout_s=5, on_error="raise", overlap=overlap)
+    new = reused = 0
+    for e, turns in zip(episodes, recorded.turns(episodes)):
+        assert [at for at, _ in turns][0] == 0 and len(turns) == 3
+        for at, _ in turns[1:]:
+            history = e.mask[:at]
             observation = len(history) - max(i for i, m in enumerate(history) if m) - 1
             new += observation + 1  # the observation, and the last sampled token, which no decode fed
-        assert prefilled == new and reused == sum(len(p) for p in call_prompts) - new
+            reused += len(e.prompt.ids) + at - observation - 1
+    # turn 1: each prompt once for its 4 samples; then each turn its new tokens only
+    assert engine.prefilled == sum(len(p.ids) for p in prompts) + new and engine.reused == reused
+
+
+class Waiting:
+    """Episode 0's first step waits until every other episode has ended (at most 20 s); the others
+    end after their third turn. Turn by turn, the others cannot end while it waits: the class asks
+    for its calls to overlap generation."""
+
+    overlap = True
+    others_done = None  # a threading.Event, set per test
+    ended = 0
+
+    def __init__(self, prompt):
+        self.slow, self.turns = prompt.extra_info["index"] == 0, 0
+
+    def step(self, response):
+        self.turns += 1
+        if self.slow:
+            return Step(None, float(Waiting.others_done.wait(20)), True)
+        if self.turns == 3:
+            Waiting.ended += 1
+            if Waiting.ended == 5:
+                Waiting.others_done.set()
+        return Step(None if self.turns == 3 else "go on", 0.0, self.turns == 3)
+
+
+def test_a_slow_call_holds_only_its_own_episode(model_dir):
+    import threading
+
+    Waiting.others_done, Waiting.ended = threading.Event(), 0
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = NativeRollout(model_dir, tok, max_slots=8, max_len=128)
+    episodes, metrics = run_episodes(engine, tok, prompts_of(tok, [f"{i}+{i}=" for i in range(6)]),
+                                     SamplingParams(temperature=1.0, n=1, max_new_tokens=6, seed=0), Waiting,
+                                     max_turns=3, tokens=64, timeout_s=60, on_error="raise")
+    assert episodes[0].reward == 1.0, "the other episodes ran their three turns while episode 0's call was out"
+    assert [e.turns for e in episodes] == [1, 3, 3, 3, 3, 3] and all(e.done for e in episodes)
+    assert metrics["episode/env_time_s"] < 20
 
 
 class Faulty:
@@ -161,14 +215,15 @@ class Faulty:
                 Step(None, float("nan"), True)][self.kind]
 
 
-def test_every_environment_failure_is_a_counted_outcome_and_the_rest_go_on(model_dir):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "turn-by-turn"])
+def test_every_environment_failure_is_a_counted_outcome_and_the_rest_go_on(model_dir, overlap):
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = NativeRollout(model_dir, tok, max_slots=8, max_len=128)
     prompts = prompts_of(tok, [f"{i}+{i}=" for i in range(7)])
     params = SamplingParams(temperature=1.0, n=1, max_new_tokens=6, seed=0)
     start = time.perf_counter()
     episodes, metrics = run_episodes(engine, tok, prompts, params, Faulty, max_turns=3, tokens=64, timeout_s=1.0,
-                                     on_error="zero")
+                                     on_error="zero", overlap=overlap)
     assert time.perf_counter() - start < 15, "a hung environment holds its episode for the timeout, not the run"
     fine, created, raised, hung, number, endless, nan = episodes
     assert fine.done and fine.reward == 1.0 and not fine.error and fine.turns == 1
@@ -180,7 +235,7 @@ def test_every_environment_failure_is_a_counted_outcome_and_the_rest_go_on(model
     assert metrics["episode/env_errors"] == 5 and metrics["episode/truncated"] == 1
     with pytest.raises(RuntimeError, match="the environment failed at turn 1: KeyError"):
         run_episodes(engine, tok, prompts[2:3], params, Faulty, max_turns=3, tokens=64, timeout_s=1.0,
-                     on_error="raise")
+                     on_error="raise", overlap=overlap)
 
 
 def test_a_budget_too_small_for_the_next_turn_ends_the_episode_uncut(model_dir):
