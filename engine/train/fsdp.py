@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
@@ -259,12 +259,44 @@ def shared_prompt_mask(group: torch.Tensor, row: torch.Tensor, flex: bool) -> Bl
     def allowed(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return (k <= q) & (group[q] == group[k]) & ((row[k] < 0) | (row[q] == row[k]))
 
-    size = len(group)
     if flex:
-        return create_block_mask(lambda b, h, q, k: allowed(q, k), None, None, size, size, device=group.device,
-                                 _compile=group.device.type == "cuda")  # compiled: block by block, no [T, T] mask
-    at = torch.arange(size, device=group.device)
+        return shared_block_mask(group, row, lambda b, h, q, k: allowed(q, k))
+    at = torch.arange(len(group), device=group.device)
     return allowed(at[:, None], at[None, :])[None, None]
+
+
+def shared_block_mask(group: torch.Tensor, row: torch.Tensor, mask_mod: Callable[..., torch.Tensor]) -> BlockMask:
+    """The block mask of a shared row padded to whole blocks (`pad_to_blocks`), judged per pair of
+    blocks from the span of groups and rows each holds, instead of at every token pair as
+    create_block_mask does: compiled, that costs a build of Triton kernels for every new row
+    length (over 40 s each on an H200, the stall of shared prompts on mixed lengths); eager, a
+    [T, T] mask. Key block j <= query block i is skipped when no token of one can see a token of
+    the other: their group spans do not meet, or the key block holds only responses whose rows
+    the query block's do not meet. It is full when every token pair sees: j < i, one group,
+    and the key block all prompt, or both blocks one same row. Otherwise `mask_mod` decides each
+    pair. Spans over-cover a group or row split across the row, which costs compute, never a
+    wrong token."""
+    n = len(group) // FLEX_BLOCK
+    g, r = group.view(n, FLEX_BLOCK), row.view(n, FLEX_BLOCK)
+    response = r >= 0
+    lo, hi = g.amin(1), g.amax(1)
+    rlo = torch.where(response, r, torch.iinfo(r.dtype).max).amin(1)
+    rhi = torch.where(response, r, -1).amax(1)
+    has_prompt, all_prompt = (~response).any(1), ~response.any(1)
+    one_row = ~has_prompt & (rlo == rhi)
+    q, k = torch.arange(n, device=group.device)[:, None], torch.arange(n, device=group.device)[None, :]
+    meet = lambda a, b: (a[:, None] <= b[None, :]) & (a[None, :] <= b[:, None])  # noqa: E731  # spans overlap
+    seen = (k <= q) & meet(lo, hi) & (has_prompt[None, :] | meet(rlo, rhi))
+    same_group = (lo == hi)[:, None] & (lo == hi)[None, :] & (lo[:, None] == lo[None, :])
+    same_row = one_row[:, None] & one_row[None, :] & (rlo[:, None] == rlo[None, :])
+    full = (k < q) & same_group & (all_prompt[None, :] | same_row)
+
+    def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts [1, 1, n], indices [1, 1, n, n]
+        order = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True)
+        return blocks.sum(1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    return BlockMask.from_kv_blocks(*listed(seen & ~full), *listed(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(len(group), len(group)))
 
 
 def scatter_valid(valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

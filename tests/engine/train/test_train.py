@@ -146,6 +146,27 @@ def test_a_shared_row_under_flex_attention_fills_whole_blocks_that_no_token_sees
     assert seen.any(1).all()  # every query sees something (itself, at least): no empty softmax
 
 
+def test_the_shared_block_mask_lists_every_block_pair_that_sees_and_no_partly_seen_one_as_full():
+    ids, mask, pos, responses = grouped_batch([40, 300, 33], 3, [30, 25, 41, 170, 250, 22, 135, 28, 19])
+    tokens, positions, group, row, _ = shared_prompt_row(ids, mask, pos, mask[:, -responses.shape[1]:].bool())
+    group, row = pad_to_blocks(tokens, positions, group, row)[2:]
+    n = len(group) // 128
+    seen = shared_prompt_mask(group, row, flex=False)[0, 0].view(n, 128, n, 128).transpose(1, 2)  # [n, n, 128, 128]
+    blocks = shared_prompt_mask(group, row, flex=True)
+
+    def dense(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            out[i, indices[0, 0, i, :counts[0, 0, i]].long()] = True
+        return out
+    partial = dense(blocks.kv_num_blocks, blocks.kv_indices)
+    full = dense(blocks.full_kv_num_blocks, blocks.full_kv_indices)
+    assert not (partial & full).any()
+    assert torch.equal((partial | full) | ~seen.any((2, 3)), torch.ones(n, n, dtype=torch.bool))  # none missed
+    assert seen[full].all()  # a full block is seen at every pair
+    assert full.any() and (partial | full).sum() < n * (n + 1) // 2  # and blocks nobody sees are skipped
+
+
 def test_shared_prompt_micro_batches_count_each_prompt_once():
     ids, mask, pos, responses = grouped_batch([4, 7, 2], 3, [5, 2, 9, 4, 1, 6, 3, 8, 2])
     width = ids.shape[1] - responses.shape[1]
