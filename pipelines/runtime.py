@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
@@ -289,12 +290,17 @@ def role_pool(cfg: Config, where: str) -> Pool:
     p = cfg.placement
     gpus = 0.0 if where == "reward" and not cfg.reward.model else p.gpus_per_worker
     group = p.workers > 1 and (where != "rollout" or cfg.rollout.tp > 1)
-    return start_pool(where, p.workers, gpus, p.torch_threads, group)
+    return start_pool(where, p.workers, gpus, p.torch_threads, group,
+                      compile_cache=os.path.abspath(os.path.join(cfg.trainer.output_dir, "compile_cache")))
 
 
-def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, timeout_s: float = 120.0) -> Pool:
-    """A pool of StageWorkers; with `group`, its ranks join one torch.distributed group (within `timeout_s`)."""
+def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, timeout_s: float = 120.0,
+               compile_cache: str | None = None) -> Pool:
+    """A pool of StageWorkers; with `group`, its ranks join one torch.distributed group (within
+    `timeout_s`); with `compile_cache`, they keep what torch.compile makes there (StageWorker.cache_compiles)."""
     pool = Pool(name, StageWorker, size, gpus, threads, timeout_s)
+    if compile_cache:
+        ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=timeout_s)
     if group:
         host, port = ray.get(pool.workers[0].address.remote(), timeout=timeout_s)
         ray.get([w.init_process_group.remote(host, port) for w in pool.workers], timeout=timeout_s)

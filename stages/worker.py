@@ -9,6 +9,7 @@ bundle; its typed stage handles (pipelines/runtime.py) reach every stage verb th
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Any
 
@@ -29,6 +30,22 @@ class StageWorker:
 
     def run(self, stage: str, verb: str, *args: Any) -> Any:
         return getattr(self.stages[stage], verb)(*args)
+
+    def cache_compiles(self, path: str) -> None:
+        """Keep what torch.compile makes under `path` (trainer.output_dir's `compile_cache`): inductor's
+        and Triton's code, and which sizes turned out to vary (dynamo's profile of automatic
+        dynamism, which torch keeps only for a named job). A resumed or repeated run with the same
+        output_dir then loads its kernels instead of building them, and compiles a varying size as
+        symbolic at once, instead of first for the size it meets first. Call it before anything
+        compiles. A user's own TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR or TORCH_COMPILE_JOB_ID wins
+        (importing torch's compiler sets the first to its default, /tmp/torchinductor_<user>: that
+        one is not the user's)."""
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(path, "triton"))
+        torch.compiler.config.job_id = torch.compiler.config.job_id or "rlflow"
 
     def address(self) -> tuple[str, int]:
         """This node's address and a port free on it, for rank 0 to host a group's store there."""
