@@ -299,11 +299,15 @@ def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, tim
     """A pool of StageWorkers; with `group`, its ranks join one torch.distributed group (within
     `timeout_s`); with `compile_cache`, they keep what torch.compile makes there (StageWorker.cache_compiles)."""
     pool = Pool(name, StageWorker, size, gpus, threads, timeout_s)
-    if compile_cache:
-        ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=timeout_s)
-    if group:
-        host, port = ray.get(pool.workers[0].address.remote(), timeout=timeout_s)
-        ray.get([w.init_process_group.remote(host, port) for w in pool.workers], timeout=timeout_s)
+    try:  # a worker lost here takes its pool down, so the driver's rebuild can place one of the same name
+        if compile_cache:
+            ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=timeout_s)
+        if group:
+            host, port = ray.get(pool.workers[0].address.remote(), timeout=timeout_s)
+            ray.get([w.init_process_group.remote(host, port) for w in pool.workers], timeout=timeout_s)
+    except BaseException:
+        pool.shutdown()
+        raise
     return pool
 
 
