@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -291,20 +292,25 @@ def role_pool(cfg: Config, where: str) -> Pool:
     gpus = 0.0 if where == "reward" and not cfg.reward.model else p.gpus_per_worker
     group = p.workers > 1 and (where != "rollout" or cfg.rollout.tp > 1)
     return start_pool(where, p.workers, gpus, p.torch_threads, group,
-                      compile_cache=os.path.abspath(os.path.join(cfg.trainer.output_dir, "compile_cache")))
+                      compile_cache=os.path.abspath(os.path.join(cfg.trainer.output_dir, "compile_cache")),
+                      call_timeout_s=min(120.0, cfg.trainer.step_timeout_s))
 
 
 def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, timeout_s: float = 120.0,
-               compile_cache: str | None = None) -> Pool:
-    """A pool of StageWorkers; with `group`, its ranks join one torch.distributed group (within
-    `timeout_s`); with `compile_cache`, they keep what torch.compile makes there (StageWorker.cache_compiles)."""
+               compile_cache: str | None = None, call_timeout_s: float | None = None) -> Pool:
+    """A pool of StageWorkers, placed within `timeout_s`; with `group`, its ranks join one
+    torch.distributed group; with `compile_cache`, they keep what torch.compile makes there
+    (StageWorker.cache_compiles). Each of these calls answers within `call_timeout_s` (default
+    `timeout_s`), or the worker counts as lost: one stopped as it starts is not waited on longer
+    than a stuck step would be."""
     pool = Pool(name, StageWorker, size, gpus, threads, timeout_s)
+    answer_s = timeout_s if call_timeout_s is None else call_timeout_s
     try:  # a worker lost here takes its pool down, so the driver's rebuild can place one of the same name
         if compile_cache:
-            ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=timeout_s)
+            ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=answer_s)
         if group:
-            host, port = ray.get(pool.workers[0].address.remote(), timeout=timeout_s)
-            ray.get([w.init_process_group.remote(host, port) for w in pool.workers], timeout=timeout_s)
+            host, port = ray.get(pool.workers[0].address.remote(), timeout=answer_s)
+            ray.get([w.init_process_group.remote(host, port) for w in pool.workers], timeout=answer_s)
     except BaseException:
         pool.shutdown()
         raise
@@ -362,6 +368,15 @@ class Runner:
 
     def close(self, lost: bool = False) -> None:
         """Tear the compiled graph down; `lost`: a worker died or hangs, so kill the workers rather
-        than wait for their graph loops (a stopped process would never answer)."""
-        if self.compiled is not None:
+        than wait for their graph loops (a stopped process would never answer). Ray logs each
+        lost worker's failed cancel as an error with a traceback: the driver says what happened
+        in one line instead, so that logger stays quiet here."""
+        if self.compiled is None:
+            return
+        ray_log = logging.getLogger("ray.dag.compiled_dag_node")
+        level = ray_log.level
+        ray_log.setLevel(logging.CRITICAL if lost else level)
+        try:
             self.compiled.teardown(kill_actors=lost)
+        finally:
+            ray_log.setLevel(level)
