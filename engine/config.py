@@ -80,7 +80,7 @@ class ActorConfig:
     mini_batch_prompts: int = 16  # prompts per optimizer step (critic too)
     micro_batch_tokens_per_gpu: int = 4096  # tokens per forward/backward; rows x width unless packed (critic too)
     pack_sequences: bool = False  # sequences end to end in one row (pays off on CUDA; on CPU a block mask) (critic too)
-    share_prompts: bool = False  # each prompt computed once for its samples (CUDA: flex; pays with long prompts, short answers)
+    share_prompts: bool = False  # each prompt computed once for its samples (CUDA: flex; long prompts, short answers)
     ppo_epochs: int = 1  # passes over each step's samples; > 1 reuses them under the clipped ratio (critic too)
     clip_low: float = 0.2  # the ratio's lower clip bound is 1 - clip_low
     clip_high: float = 0.2  # upper bound 1 + clip_high; > clip_low is DAPO's clip-higher
