@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -83,8 +84,8 @@ class Workers:
         """Stop the runner and the workers; `lost`: one of them died or hangs, so the workers are
         killed first: a compiled graph's teardown waits on each live worker's loop (Ray allows a
         stopped one 30 s to cancel, then 30 s more to exit), a killed one it skips at once."""
-        stops = (lambda: self.run.close(lost), self.stages.shutdown)
-        for stop in reversed(stops) if lost else stops:
+        runner = functools.partial(self.run.close, lost)
+        for stop in (self.stages.shutdown, runner) if lost else (runner, self.stages.shutdown):
             try:
                 stop()
             except Exception as e:  # a dead worker may fail its own teardown; the rest must still go

@@ -297,20 +297,18 @@ def role_pool(cfg: Config, where: str) -> Pool:
 
 
 def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, timeout_s: float = 120.0,
-               compile_cache: str | None = None, call_timeout_s: float | None = None) -> Pool:
+               compile_cache: str | None = None, call_timeout_s: float = 120.0) -> Pool:
     """A pool of StageWorkers, placed within `timeout_s`; with `group`, its ranks join one
     torch.distributed group; with `compile_cache`, they keep what torch.compile makes there
-    (StageWorker.cache_compiles). Each of these calls answers within `call_timeout_s` (default
-    `timeout_s`), or the worker counts as lost: one stopped as it starts is not waited on longer
-    than a stuck step would be."""
+    (StageWorker.cache_compiles). Each of these calls answers within `call_timeout_s`, or the
+    worker counts as lost: one stopped as it starts is not waited on longer than a stuck step would be."""
     pool = Pool(name, StageWorker, size, gpus, threads, timeout_s)
-    answer_s = timeout_s if call_timeout_s is None else call_timeout_s
     try:  # a worker lost here takes its pool down, so the driver's rebuild can place one of the same name
         if compile_cache:
-            ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=answer_s)
+            ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=call_timeout_s)
         if group:
-            host, port = ray.get(pool.workers[0].address.remote(), timeout=answer_s)
-            ray.get([w.init_process_group.remote(host, port) for w in pool.workers], timeout=answer_s)
+            host, port = ray.get(pool.workers[0].address.remote(), timeout=call_timeout_s)
+            ray.get([w.init_process_group.remote(host, port) for w in pool.workers], timeout=call_timeout_s)
     except BaseException:
         pool.shutdown()
         raise
@@ -375,7 +373,8 @@ class Runner:
             return
         ray_log = logging.getLogger("ray.dag.compiled_dag_node")
         level = ray_log.level
-        ray_log.setLevel(logging.CRITICAL if lost else level)
+        if lost:
+            ray_log.setLevel(logging.CRITICAL)
         try:
             self.compiled.teardown(kill_actors=lost)
         finally:
