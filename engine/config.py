@@ -169,7 +169,7 @@ class TrainerConfig:
     val_samples: int = 4  # k sampled answers per validation prompt for mean@k / pass@k; 0 = greedy only
     samples_every: int = 10  # log a table of sample generations every k steps; 0 = never
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
-    async_mode: str = "sync"  # sync | one_step: the rollout pool generates step t+1 while the trainer updates on t
+    max_staleness: int = 0  # 0 = synchronous; k: the rollout pool runs up to k steps ahead, samples <= k versions old
     max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
     step_timeout_s: float = 3600.0  # a step or validation running longer counts as a stuck worker (rebuilt too)
     max_consecutive_skips: int = 5  # stop after this many non-finite optimizer steps in a row; 0 never
@@ -348,7 +348,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.rollout_correction": ROLLOUT_CORRECTIONS,
     "reward.on_error": ("zero", "raise"),
     "trainer.dag": ("compiled", "plain"),
-    "trainer.async_mode": ("sync", "one_step"),
 }
 
 
@@ -483,9 +482,11 @@ def _validate_split(cfg: Config) -> None:
 
 def _validate_async(cfg: Config) -> None:
     """Generation running ahead of training needs its own workers and a batch known before the step."""
-    if cfg.trainer.async_mode == "sync":
+    if cfg.trainer.max_staleness < 0:
+        raise ConfigError(f"trainer.max_staleness must be >= 0 (0: synchronous), got {cfg.trainer.max_staleness}")
+    if cfg.trainer.max_staleness == 0:
         return
-    mode = f"trainer.async_mode={cfg.trainer.async_mode}"
+    mode = f"trainer.max_staleness={cfg.trainer.max_staleness}"
     if job_of(cfg) != "rl":
         raise ConfigError(f"{mode}: only RL generates; algorithm.name={cfg.algorithm.name} has nothing to overlap")
     if "rollout" not in cfg.placement.own_pool:
@@ -493,7 +494,7 @@ def _validate_async(cfg: Config) -> None:
                           "add placement.own_pool=[rollout]")
     if cfg.algorithm.dynamic_sampling_tries or cfg.algorithm.advantage == "remax":
         raise ConfigError(f"{mode}: dynamic sampling and ReMax generate again from the current weights inside the "
-                          "step; run them with trainer.async_mode=sync")
+                          "step; run them with trainer.max_staleness=0")
 
 
 def _validate_scoring(cfg: Config) -> None:

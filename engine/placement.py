@@ -56,8 +56,9 @@ def layout(bundle: dict[str, float], size: int) -> list[tuple[str, int]]:
 
 class Pool:
     def __init__(self, name: str, worker_cls: type, size: int, gpus: float, threads: int,
-                 timeout_s: float = 120.0) -> None:
-        """`size` actors of `worker_cls`, each built as `worker_cls(rank, size, threads)`."""
+                 timeout_s: float = 120.0, concurrency_groups: dict[str, int] | None = None) -> None:
+        """`size` actors of `worker_cls`, each built as `worker_cls(rank, size, threads)`, with the
+        thread groups `concurrency_groups` names beside the one that runs their calls in order."""
         bundle = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
         self.name = name
         where = layout(bundle, size)
@@ -74,7 +75,8 @@ class Pool:
             raise RuntimeError(f"pool '{name}': {size} bundles of {bundle} not available within "
                                f"{timeout_s:.0f}s; cluster has {ray.cluster_resources()}")
         slots = [(g, i) for g, (_, n) in zip(self.groups, where) for i in range(n)]  # rank -> (group, bundle)
-        remote_cls: Any = ray.remote(worker_cls)
+        # Ray's stubs lack concurrency_groups, and .options() refuses it
+        remote_cls: Any = ray.remote(concurrency_groups=concurrency_groups)(worker_cls)  # type: ignore[call-overload]
         self.workers: list[Any] = [
             remote_cls.options(
                 num_cpus=1, num_gpus=gpus,

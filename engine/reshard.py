@@ -49,7 +49,7 @@ Invariant: after a push every rollout rank's engine holds bit for bit what
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -363,8 +363,9 @@ class WeightBroadcast:
             self._broadcast(buffer)
 
     @torch.no_grad()
-    def receive(self, engine: Any) -> int:
-        """A rollout rank: the trainer's weights into `engine.load_weights`, bucket by bucket; their version."""
+    def receive(self, load: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> int:
+        """A rollout rank: the trainer's weights, bucket by bucket, each handed to `load` (an engine's
+        `load_weights`) as (name, tensor) views of a buffer of its own; their version."""
         version = torch.zeros(1, dtype=torch.int64, device=self.device)
         self._broadcast(version)
         for bucket in self.buckets:
@@ -375,7 +376,7 @@ class WeightBroadcast:
                 n = torch.Size(shape).numel()
                 views.append((name, buffer[at:at + n].view(shape)))
                 at += n
-            engine.load_weights(views)
+            load(views)
         return int(version.item())
 
 

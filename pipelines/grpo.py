@@ -29,19 +29,22 @@ graph does not ask which: `stages.generator` generates, and `stages.sync` moves 
 (pipelines/runtime.py). The samples (seeded per step and rank), and so the metrics, are the same
 in both placements.
 
-Asynchronous (`trainer.async_mode=one_step`, split only): the driver submits step t+1's generation
-before step t's graph runs, so the rollout pool generates from weights one version behind while
-the trainer updates; after the graph it scores that batch and pushes the new weights
-(`GRPO._one_step`, `GRPO.after_step`). The graph then takes scored batches, as with dynamic sampling.
+Asynchronous (`trainer.max_staleness` = k > 0, split only): the driver keeps the next k steps'
+generations queued on the rollout pool while the trainer updates, and after the graph pushes the
+new weights, which the pool takes as it starts its next batch (`GRPO._ahead`, `GRPO.after_step`).
+The graph then takes scored batches, as with dynamic sampling. k = 1 is one step off, with the
+same versions every run; from k = 2 the pool never idles, and a batch's version depends on timing.
 
 Run: `rlflow train [conf/x.yaml] [key=value ...]`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -54,7 +57,19 @@ from engine.tracking import Tracker
 from engine.train.fsdp import balance
 from engine.train.losses import PolicyGradient
 from pipelines import driver
-from pipelines.runtime import SUBMIT, Generator, Group, Stages, launch, wait
+from pipelines.runtime import (
+    SUBMIT,
+    WORKER_LOST,
+    Generator,
+    Group,
+    Stages,
+    how_lost,
+    launch,
+    rebuild_rollout,
+    rollout_lost,
+    settle,
+    wait,
+)
 from stages.advantage import Advantage
 from stages.critic import Critic
 from stages.policy import Policy
@@ -222,26 +237,26 @@ class GRPO:
         self.tries = cfg.algorithm.dynamic_sampling_tries  # > 0: the driver generates and filters before the graph
         self.loss = PolicyGradient(cfg)
         self.remax = cfg.algorithm.advantage == "remax"  # the baseline: a greedy answer per prompt
-        self.ahead = cfg.trainer.async_mode == "one_step"  # the next step's batch generates during this one's update
-        self.generating: list[Any] = []  # one_step: the next step's batches, one per rank, generating (refs)
-        self.ready: list[Batch] = []  # one_step: the next step's batches, generated and scored
+        self.ahead = cfg.trainer.max_staleness  # > 0: the coming steps' batches generate during this one's update
+        self.queued: deque[list[Any]] = deque()  # generating ahead: batches (refs, one per rank), a step's each
+        self.rollout_rebuilds = 0  # generating ahead: rollout pools replaced while training went on
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
-        return step_graph(stages, inputs, self.loss, sampled=self.tries > 0 or self.ahead, sync=not self.ahead)
+        return step_graph(stages, inputs, self.loss, sampled=self.tries > 0 or self.ahead > 0, sync=not self.ahead)
 
     def launch(self) -> Stages:
         c = self.cfg
-        self.generating, self.ready = [], []  # fresh workers: what was generating went with the old ones
+        self.queued.clear()  # fresh workers: what was generating went with the old ones
         return launch(c, self.model_path, advantage=True,
                       reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
                       critic=c.algorithm.advantage == "gae")
 
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
         """RolloutRequests (for ReMax, then a greedy one per rank), or with DAPO's dynamic sampling
-        the scored batches it kept, or with one_step the scored batches generated during the last
-        step (generated now at a run's first step and after a resume)."""
+        the scored batches it kept, or generating ahead the scored batches generated during the
+        last steps (generated now at a run's first step and after a resume)."""
         if self.ahead:
-            return self._one_step(stages, loader, step), {}
+            return self._ahead(stages, loader, step), {"async/rollout_rebuilds": float(self.rollout_rebuilds)}
         if not self.tries:
             parts = shards(loader.next_batch(), stages.workers)
             greedy = [RolloutRequest(s, step, greedy=True) for s in parts] if self.remax else []
@@ -249,37 +264,57 @@ class GRPO:
         kept, metrics = dynamic_sample(stages, loader, step, self.tries, self.remax)
         return balanced_shards(kept, stages.workers, self.cfg.actor.mini_batch_prompts), metrics
 
-    def _one_step(self, stages: Stages, loader: PromptLoader, step: int) -> list[Any]:
-        """This step's scored batches, and the next step's submitted: they generate from the weights
-        the rollout pool holds now, one version behind the ones this step trains.
+    def _ahead(self, stages: Stages, loader: PromptLoader, step: int) -> list[Any]:
+        """This step's scored batches, once generated, with the next k = `trainer.max_staleness`
+        steps' queued behind them. The pool generates each batch from the newest weights it holds
+        when it starts it, and step s's is queued at step s - k, after version s - k was pushed:
+        no batch is trained on by weights more than k versions newer than its own.
 
-        The loader moves past a batch only when its step takes it: the next one is peeked, so a
-        checkpoint's loader position is the same as a synchronous run's and a resumed run generates
-        the batch that was in flight again (from the checkpoint's weights), skipping no prompt."""
-        assert stages.generator is not None
-        prompts = loader.next_batch()
-        now = self.ready or wait(submit_rollout(stages.generator, stages.reward, prompts, step), SUBMIT,
-                                 stages.timeout)
-        self.ready = []
-        if step + 1 < self.cfg.trainer.total_steps:
-            # generation only: a score queued now on a worker the trainer shares would hold up its
-            # update (an actor runs its calls in order) until the batch exists
-            self.generating = submit_rollout(stages.generator, None, loader.peek_batch(), step + 1)
-        return now
+        The loader moves past a batch only when its step takes it: the ones ahead are peeked, so a
+        checkpoint's loader position is a synchronous run's, and a resumed run generates the
+        batches that were in flight again (from the checkpoint's weights), skipping no prompt."""
+        assert stages.generator is not None and stages.reward is not None
+        while True:
+            while len(self.queued) <= self.ahead and step + len(self.queued) < self.cfg.trainer.total_steps:
+                # generation only: a score queued now on a worker the trainer shares would hold up
+                # its update (an actor runs its calls in order) until the batch exists
+                ahead = len(self.queued)
+                self.queued.append(submit_rollout(stages.generator, None, loader.peek_batch(ahead), step + ahead))
+            try:
+                generated = wait(self.queued[0], SUBMIT, stages.timeout)
+                break
+            except WORKER_LOST as e:
+                self._rebuild_rollout(stages, e, [r for refs in self.queued for r in refs])
+        self.queued.popleft()
+        loader.next_batch()
+        score = stages.reward.bound(SUBMIT)
+        return wait([score.at(r, Reward.score, b) for r, b in enumerate(generated)], SUBMIT, stages.timeout)
 
     def after_step(self, stages: Stages, outputs: list[Update]) -> None:
-        """one_step: the next batch, once generated, is scored, and the rollout pool takes this
-        step's weights (a push would queue behind the generation anyway)."""
+        """Generating ahead: the rollout pool receives this step's weights beside the generation
+        queued on it (runtime.Broadcast), and takes them as it starts its next batch."""
         if not self.ahead:
             return
-        if self.generating:
-            assert stages.reward is not None
-            score = stages.reward.bound(SUBMIT)
-            generated = wait(self.generating, SUBMIT, stages.timeout)
-            self.ready = wait([score.at(r, Reward.score, b) for r, b in enumerate(generated)], SUBMIT, stages.timeout)
-            self.generating = []
-        sync = stages.sync.bound(SUBMIT)
-        wait(sync.after_update(outputs), SUBMIT, stages.timeout)
+        push = stages.sync.bound(SUBMIT).after_update(outputs)
+        try:
+            wait(push, SUBMIT, stages.timeout)
+        except (*WORKER_LOST, ray.exceptions.RayTaskError) as e:  # a push to a dead rank fails on the trainer
+            self._rebuild_rollout(stages, e, push + [r for refs in self.queued for r in refs])
+
+    def _rebuild_rollout(self, stages: Stages, e: Exception, lost: list[Any]) -> None:
+        """Generating ahead, a rollout worker that died or hangs is replaced while the trainer goes on:
+        a new pool takes the trainer's current weights and generates the queued steps again. Any
+        other loss, or more than `trainer.max_restarts` of these, goes to the driver (`e` raised),
+        which rebuilds every worker from the last checkpoint. `lost`: the calls given up on."""
+        limit = self.cfg.trainer.max_restarts
+        if self.rollout_rebuilds >= limit or not rollout_lost(stages):
+            raise e
+        self.rollout_rebuilds += 1
+        print(f"rlflow: a rollout worker {how_lost(e, self.cfg.trainer.step_timeout_s)} ({type(e).__name__}); "
+              f"new rollout pool {self.rollout_rebuilds}/{limit}, training goes on")
+        self.queued.clear()
+        rebuild_rollout(self.cfg, self.model_path, stages)
+        settle(lost)  # the old pool is gone: its calls have failed by now
 
     def metrics(self, outputs: list[Update], seconds: float) -> dict[str, float]:
         return merge(outputs, seconds, len(outputs))

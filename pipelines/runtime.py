@@ -8,7 +8,8 @@ and argument types as if the call were direct:
 
 How the call runs depends on how the handles are bound (`Stages.bound`):
 - `BIND`: a node of a Ray compiled graph, built once and executed every step;
-- `SUBMIT`: a `.remote()` call, whose value is an ObjectRef;
+- `SUBMIT`: a `.remote()` call, whose value is an ObjectRef (`BESIDE`: the same, on the worker's
+  second thread);
 - `LOCAL`: the stage instance in this process runs it (tests; no Ray), and the value is the result.
 With BIND and SUBMIT the value a call returns is a future of the declared type, which only the
 runner reads. Role and verb names never appear as strings: a worker finds a stage by its class's
@@ -54,6 +55,8 @@ Call = Callable[[Any, str, str, tuple], Any]  # (worker, stage key, verb name, a
 BIND: Call = lambda w, key, verb, args: w.run.bind(key, verb, *args)  # noqa: E731
 SUBMIT: Call = lambda w, key, verb, args: w.run.remote(key, verb, *args)  # noqa: E731
 LOCAL: Call = lambda w, key, verb, args: w.run(key, verb, *args)  # noqa: E731
+# a `.remote()` call on the worker's second thread, not queued behind its calls in flight
+BESIDE: Call = lambda w, key, verb, args: w.run_beside.remote(key, verb, *args)  # noqa: E731
 
 # A stage's process died (OOM kill, node loss, segfault), or a wait on the workers ran past
 # trainer.step_timeout_s (a stuck kernel or collective): the driver rebuilds the workers.
@@ -142,14 +145,18 @@ class InPlace:
 
 @dataclass
 class Broadcast:
-    """Split: after every update every trainer rank pushes and every rollout rank pulls, together."""
+    """Split: after every update every trainer rank pushes and every rollout rank pulls, together.
+    With generation running ahead (`beside`), a rollout rank pulls on its second thread, so a push
+    never waits for the batches queued on it; it takes the weights when it next generates."""
 
     sender: Group[PolicySender]  # the policy's trainer ranks
     receiver: Group[Rollout]  # the rollout pool
+    beside: bool = False  # trainer.max_staleness > 0; the pushes are then the driver's calls, never graph nodes
 
     def after_update(self, updates: list[Any]) -> list[Any]:
+        receiver = self.receiver.bound(BESIDE) if self.beside else self.receiver
         return ([self.sender.at(r, PolicySender.push_weights, u) for r, u in enumerate(updates)] +
-                [self.receiver.at(r, Rollout.pull_weights, u) for r, u in enumerate(updates)])
+                [receiver.at(r, Rollout.pull_weights, u) for r, u in enumerate(updates)])
 
     def after_load(self) -> None:
         sender, receiver = self.sender.bound(SUBMIT), self.receiver.bound(SUBMIT)
@@ -157,7 +164,7 @@ class Broadcast:
              [receiver.at(r, Rollout.pull_weights, None) for r in range(receiver.size)], SUBMIT, sender.timeout)
 
     def bound(self, call: Call) -> Broadcast:
-        return Broadcast(self.sender.bound(call), self.receiver.bound(call))
+        return Broadcast(self.sender.bound(call), self.receiver.bound(call), self.beside)
 
 
 @dataclass
@@ -247,15 +254,62 @@ def launch(cfg: Config, model_path: str, *, reward: bool = True, advantage: bool
         if critic:
             stages.critic = place(Critic, "critic", ranked)
         if split:  # a pool of its own generates
-            rollout = place(Rollout, "rollout", ranked)
-            connect(sender, rollout, timeout)
-            stages.generator, stages.sync = rollout, Broadcast(sender, rollout)
+            pools["rollout"] = role_pool(cfg, "rollout")
+            attach_rollout(cfg, model_path, stages, sender, pools["rollout"])
     except BaseException:
         for pool in pools.values():
             pool.shutdown()
         raise
     stages.pools = list(pools.values())
     return stages
+
+
+def attach_rollout(cfg: Config, model_path: str, stages: Stages, sender: Group[PolicySender], pool: Pool) -> None:
+    """Split placement: the rollout stage on `pool`, joined to the trainer's weight group, as the
+    stages' generator and weight sync."""
+    timeout, n = cfg.trainer.step_timeout_s, cfg.placement.workers
+    device = "cuda" if cfg.placement.gpus_per_worker else "cpu"
+    rollout = build(Rollout, pool, lambda r: dict(cfg=cfg, model_path=model_path, world=n, device=device, rank=r),
+                    timeout)
+    connect(sender, rollout, timeout)
+    stages.generator, stages.sync = rollout, Broadcast(sender, rollout, cfg.trainer.max_staleness > 0)
+
+
+def rebuild_rollout(cfg: Config, model_path: str, stages: Stages) -> None:
+    """A new rollout pool in place of one that lost a worker, holding the trainer's current weights;
+    the trainer's workers go on as they are (generation ahead of training: they never wait on it)."""
+    assert isinstance(stages.sync, Broadcast), "only a split rollout pool is rebuilt alone"
+    sender = stages.sync.sender
+    for pool in [p for p in stages.pools if p.name == "rollout"]:
+        pool.shutdown()
+        stages.pools.remove(pool)
+    pool = role_pool(cfg, "rollout")
+    stages.pools.append(pool)
+    attach_rollout(cfg, model_path, stages, sender, pool)
+    stages.sync.after_load()  # the trainer's weights as they are now, and their version
+
+
+def settle(refs: list[Any], timeout: float = 10.0) -> None:
+    """Read the outcome of calls given up on (errors expected), so that Ray does not print each
+    one's error as unhandled when it forgets them."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except Exception:  # the loss is handled already
+            pass
+
+
+def rollout_lost(stages: Stages) -> bool:
+    """Whether a worker of the split rollout pool is gone (asked on its second thread, which a
+    worker busy generating still answers)."""
+    if not isinstance(stages.sync, Broadcast):
+        return False
+    try:
+        ray.get([w.alive.remote() for w in stages.sync.receiver.workers], timeout=10)
+    except WORKER_LOST:
+        return True
+    return False
 
 
 @dataclass
@@ -302,7 +356,7 @@ def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, tim
     torch.distributed group; with `compile_cache`, they keep what torch.compile makes there
     (StageWorker.cache_compiles). Each of these calls answers within `call_timeout_s`, or the
     worker counts as lost: one stopped as it starts is not waited on longer than a stuck step would be."""
-    pool = Pool(name, StageWorker, size, gpus, threads, timeout_s)
+    pool = Pool(name, StageWorker, size, gpus, threads, timeout_s, StageWorker.GROUPS)
     try:  # a worker lost here takes its pool down, so the driver's rebuild can place one of the same name
         if compile_cache:
             ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=call_timeout_s)

@@ -3,7 +3,9 @@
 The pipeline makes this class a Ray actor (`ray.remote(...)(StageWorker)`) on a placement-group
 bundle; its typed stage handles (pipelines/runtime.py) reach every stage verb through
 `run(stage class name, verb name, *args)`, when binding a compiled graph, when calling
-`.remote()` directly, and in-process in tests.
+`.remote()` directly, and in-process in tests. Calls run one at a time, in order; `run_beside`
+runs a verb on a thread of its own beside them (a rollout rank taking weights while it generates
+ahead of training).
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ import os
 import socket
 from typing import Any
 
+import ray
 import torch
 
 from engine.tensors import tcp_store
 
 
 class StageWorker:
+    GROUPS = {"beside": 1}  # Ray concurrency groups besides the default (one thread, calls in order)
+
     def __init__(self, rank: int, world: int, threads: int) -> None:
         self.rank, self.world = rank, world
         torch.set_num_threads(threads)
@@ -30,6 +35,16 @@ class StageWorker:
 
     def run(self, stage: str, verb: str, *args: Any) -> Any:
         return getattr(self.stages[stage], verb)(*args)
+
+    @ray.method(concurrency_group="beside")
+    def run_beside(self, stage: str, verb: str, *args: Any) -> Any:
+        """`run` on the "beside" thread: it does not wait for the calls queued on the default one."""
+        return self.run(stage, verb, *args)
+
+    @ray.method(concurrency_group="beside")
+    def alive(self) -> bool:
+        """Answers while the worker's calls are busy: a dead or stopped worker never does."""
+        return True
 
     def cache_compiles(self, path: str) -> None:
         """Keep what torch.compile makes under `path` (trainer.output_dir's `compile_cache`): inductor's
@@ -49,8 +64,6 @@ class StageWorker:
 
     def address(self) -> tuple[str, int]:
         """This node's address and a port free on it, for rank 0 to host a group's store there."""
-        import ray
-
         host = ray.util.get_node_ip_address()
         with socket.socket() as s:
             s.bind((host, 0))

@@ -326,9 +326,11 @@ class PromptLoader(Generic[T]):
         self.position += self.batch_size
         return [self.prompts[i] for i in picked]
 
-    def peek_batch(self) -> list[T]:
-        """The batch `next_batch` will return, without moving past it."""
+    def peek_batch(self, skip: int = 0) -> list[T]:
+        """The batch `next_batch` will return after `skip` more calls, without moving past any."""
         state = self.state_dict()
+        for _ in range(skip):
+            self.next_batch()
         batch = self.next_batch()
         self.load_state_dict(state)
         return batch

@@ -87,7 +87,7 @@ class PolicyGradient:
     """PPO-clip epochs over mini-batches of `actor.mini_batch_prompts` prompts (over all ranks)."""
 
     def __init__(self, cfg: Config) -> None:
-        self.max_staleness: int | None = 1 if cfg.trainer.async_mode == "one_step" else 0  # or one step behind
+        self.max_staleness: int | None = cfg.trainer.max_staleness  # generation may run this many versions ahead
         self.actor, self.workers = cfg.actor, cfg.placement.workers
         self.temperature, self.max_new_tokens = cfg.rollout.temperature, cfg.rollout.max_new_tokens
         self.warmup = cfg.critic.warmup_steps

@@ -178,7 +178,7 @@ def _split_worker(rank: int, ports: tuple[int, int], model_dir: str, backend: st
         with torch.no_grad():
             for p in model(engine).parameters():
                 p.fill_(float("nan"))  # any weight the push misses stays NaN
-        version = connect(rank - trainers + 1).receive(engine)
+        version = connect(rank - trainers + 1).receive(engine.load_weights)
         torch.save({"got": {n: p.cpu() for n, p in model(engine).named_parameters()}, "version": version},
                    f"{out}.{rank}")
     # The results are on disk. Leave without tearing the two groups down: each store's host may be

@@ -170,6 +170,16 @@ def test_loader_resumes_exactly_from_state_dict() -> None:
     assert [ids(a.next_batch()) for _ in range(3)] == [ids(b.next_batch()) for _ in range(3)]
 
 
+def test_loader_peeks_batches_ahead_without_moving() -> None:
+    """Generation running ahead submits the coming steps' prompts before any step takes them."""
+    loader = PromptLoader(make_prompts(13), 4, seed=7)
+    loader.next_batch()
+    state = loader.state_dict()
+    peeked = [ids(loader.peek_batch(skip)) for skip in range(4)]  # crosses an epoch boundary
+    assert loader.state_dict() == state
+    assert peeked == [ids(loader.next_batch()) for _ in range(4)]
+
+
 def test_embedded_files_build_once_and_load(tmp_path, tokenizer) -> None:
     paths = embedded_files(tmp_path, seed=0)
     assert paths == {"train": str(tmp_path / "data/train.parquet"), "val": str(tmp_path / "data/val.parquet")}
