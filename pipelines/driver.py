@@ -45,7 +45,7 @@ class Algorithm(Protocol):
         ...
 
     def after_step(self, stages: Stages, outputs: list[Any]) -> None:
-        """Work of the step outside its graph, after it (one_step RL: the weight sync)."""
+        """Work of the step outside its graph, after it (RL generating ahead: the weight push)."""
         ...
 
     def metrics(self, outputs: list[Any], seconds: float) -> dict[str, float]:

@@ -56,7 +56,8 @@ BIND: Call = lambda w, key, verb, args: w.run.bind(key, verb, *args)  # noqa: E7
 SUBMIT: Call = lambda w, key, verb, args: w.run.remote(key, verb, *args)  # noqa: E731
 LOCAL: Call = lambda w, key, verb, args: w.run(key, verb, *args)  # noqa: E731
 # a `.remote()` call on the worker's second thread, not queued behind its calls in flight
-BESIDE: Call = lambda w, key, verb, args: w.run_beside.remote(key, verb, *args)  # noqa: E731
+BESIDE: Call = lambda w, key, verb, args: w.run.options(  # noqa: E731
+    concurrency_group="beside").remote(key, verb, *args)
 
 # A stage's process died (OOM kill, node loss, segfault), or a wait on the workers ran past
 # trainer.step_timeout_s (a stuck kernel or collective): the driver rebuilds the workers.

@@ -3,9 +3,9 @@
 The pipeline makes this class a Ray actor (`ray.remote(...)(StageWorker)`) on a placement-group
 bundle; its typed stage handles (pipelines/runtime.py) reach every stage verb through
 `run(stage class name, verb name, *args)`, when binding a compiled graph, when calling
-`.remote()` directly, and in-process in tests. Calls run one at a time, in order; `run_beside`
-runs a verb on a thread of its own beside them (a rollout rank taking weights while it generates
-ahead of training).
+`.remote()` directly, and in-process in tests. Calls run one at a time, in order; a call sent to
+the "beside" concurrency group (`run.options(concurrency_group="beside")`) runs on a thread of its
+own beside them (a rollout rank taking weights while it generates ahead of training).
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ class StageWorker:
 
     def run(self, stage: str, verb: str, *args: Any) -> Any:
         return getattr(self.stages[stage], verb)(*args)
-
-    @ray.method(concurrency_group="beside")
-    def run_beside(self, stage: str, verb: str, *args: Any) -> Any:
-        """`run` on the "beside" thread: it does not wait for the calls queued on the default one."""
-        return self.run(stage, verb, *args)
 
     @ray.method(concurrency_group="beside")
     def alive(self) -> bool:
