@@ -1,14 +1,21 @@
 """Rollout throughput: the native engine against transformers' generate, side by side, same model.
 
     python bench/rollout.py --shape qwen2.5-0.5b --seqs 256 --prompt 128 --new 256
+    python bench/rollout.py --shape qwen2.5-7b --native bf16,fp8 --hf-cache none --gap 32
 
 Random weights in the given model shape (no download), bf16 on the GPU (fp32 on CPU), random
 prompt tokens, sampling at temperature 1, EOS ignored (`--new` tokens for every sequence, so
-both engines do identical work). Each engine runs once to warm up (for native on CUDA that call
-also captures the decode graphs), then `--repeats` timed runs (median). HF runs with its
-dynamic and its static cache (`--hf-cache`). A last, synchronized native run gives the
-per-phase breakdown; the roofline is decode's bytes (weights + the KV each step reads) over the
-HBM bandwidth, measured in the same run by a 1 GiB device copy (`--hbm-tbps` overrides it).
+all engines do identical work). `--native` lists the native engine's weight dtypes to run
+(fp8: engine/rollout/fp8.py, quantised from the same bf16 weights). Each engine runs once to
+warm up (for native on CUDA that call also captures the decode graphs), then `--repeats` rounds
+run every engine once each, interleaved so host drift hits all alike (median and range). HF
+runs with its dynamic and its static cache (`--hf-cache`). A last, synchronized run of each
+native engine gives the per-phase breakdown; the roofline is decode's bytes (weights + the KV
+each step reads) over the HBM bandwidth, measured in the same run by a 1 GiB device copy
+(`--hbm-tbps` overrides it). It ignores arithmetic, of the same order at 7B and 256 rows in bf16
+(an estimate: 2 x 7.6e9 x 256 FLOPs a step at ~790 TFLOP/s is ~4.9 ms, the weights' bytes ~3.8
+ms). `--gap N`: each native engine's logprobs of N sampled sequences against a bf16 training
+forward (the HF model) over the same tokens.
 """
 
 from __future__ import annotations
@@ -21,35 +28,44 @@ import torch
 from shapes import QWEN25, TINY, copy_tbps, endless_model, sync  # bench/shapes.py (bench/ is sys.path[0])
 from transformers import Qwen2Config
 
+from engine.rollout import fp8
 from engine.rollout.base import HFRollout, SamplingParams
 from engine.rollout.model import NativeCausalLM
 from engine.rollout.native import NativeRollout
+from engine.tensors import left_pad
+from engine.train.fsdp import response_logprobs
 
 SHAPES = {**QWEN25, "tiny": TINY}  # tiny: a CPU smoke run
 
 
-def timed(engine, prompts, params, repeats: int) -> tuple[float, list[tuple[float, int]]]:
-    """(warm-up seconds, [(seconds, generated tokens)] per timed run)."""
-    start = time.perf_counter()
-    engine.generate(prompts, params)  # the first call is several times slower
+def timed(engine, prompts, params) -> tuple[float, int]:
+    """(seconds, generated tokens) of one generate call."""
     sync()
-    warm = time.perf_counter() - start
-    runs = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        out = engine.generate(prompts, params)
-        sync()
-        runs.append((time.perf_counter() - start, sum(len(c.token_ids) for g in out for c in g)))
-    return warm, runs
+    start = time.perf_counter()
+    out = engine.generate(prompts, params)
+    sync()
+    return time.perf_counter() - start, sum(len(c.token_ids) for g in out for c in g)
 
 
-def roofline(cfg: Qwen2Config, weights: int, seqs: int, prompt: int, new: int, itemsize: int,
+def roofline(cfg: Qwen2Config, weight_bytes: int, seqs: int, prompt: int, new: int, kv_itemsize: int,
              tbps: float) -> float:
     """Decode tokens/s if every step only read the weights and the live KV once from HBM."""
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    step_bytes = itemsize * (weights + seqs * (prompt + new / 2) * kv_per_token)
+    step_bytes = weight_bytes + kv_itemsize * seqs * (prompt + new / 2) * kv_per_token
     return seqs * tbps * 1e12 / step_bytes
+
+
+def logprob_gap(native: NativeRollout, hf_model, prompts: list[list[int]], new: int, pad: int) -> torch.Tensor:
+    """|rollout logprob - training forward's| per sampled token [T]: `native` samples one response
+    of `new` tokens per prompt (temperature 1), the HF model (bf16) scores the same tokens."""
+    done = [g[0] for g in native.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new, seed=1))]
+    pids, pmask = left_pad(prompts, pad)
+    rids = torch.tensor([c.token_ids for c in done])  # no EOS: every response is max_new_tokens long
+    mask = torch.cat([pmask, torch.ones_like(rids)], 1)
+    logp, _ = response_logprobs(hf_model, torch.cat([pids, rids], 1).to(hf_model.device), mask.to(hf_model.device),
+                                (mask.cumsum(1) - 1).clamp(min=0).to(hf_model.device), rids.to(hf_model.device),
+                                1.0, 4096)
+    return (logp.float().cpu() - torch.tensor([c.logprobs for c in done])).abs().flatten()
 
 
 def profile(native: NativeRollout, mid_len: int) -> None:
@@ -82,6 +98,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--native", default="bf16", help="comma list of the native engine's weights: bf16, fp8")
+    ap.add_argument("--gap", type=int, default=0, help="sequences whose logprobs are checked against a bf16 forward")
     ap.add_argument("--hf-cache", default="dynamic,static", help="comma list: dynamic, static, or none")
     ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay")
     ap.add_argument("--hbm-tbps", type=float, help="HBM bandwidth for the roofline (default: measured by a copy)")
@@ -93,38 +111,59 @@ def main() -> None:
     cfg = hf_model.config
     prompts = torch.randint(100, cfg.vocab_size, (args.seqs, args.prompt)).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new, seed=0)
-    native = NativeRollout(NativeCausalLM.from_module(hf_model), tok, max_slots=args.seqs,
-                           max_len=args.prompt + args.new)
-    engines: dict = {"native": native}
+    natives = {}  # "native" alone keeps the name earlier logs used
+    for kind in args.native.split(","):
+        weights = {"bf16": None, "fp8": fp8.FP8}[kind]
+        name = "native" if args.native == "bf16" else f"native {kind}"
+        natives[name] = NativeRollout(NativeCausalLM.from_module(hf_model, dtype=weights), tok, max_slots=args.seqs,
+                                      max_len=args.prompt + args.new)
+    engines: dict = dict(natives)
     for cache in filter(lambda c: c in ("dynamic", "static"), args.hf_cache.split(",")):
         engines[f"hf {cache}"] = HFRollout(hf_model, tok, cache_implementation=cache)
     print(f"{args.shape}, {args.seqs} seqs x ({args.prompt} -> {args.new}), {dtype}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
+    warm = {name: timed(engine, prompts, params)[0] for name, engine in engines.items()}  # first calls: slow
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in engines}
+    for _ in range(args.repeats):  # rounds: every engine once, so host drift hits all alike
+        for name, engine in engines.items():
+            runs[name].append(timed(engine, prompts, params))
     results = {}
-    for name, engine in engines.items():
-        warm, runs = timed(engine, prompts, params, args.repeats)
-        results[name] = statistics.median(n / s for s, n in runs)
-        print(f"  {name:12s} {statistics.median(s for s, _ in runs):7.2f} s  {results[name]:10,.0f} tok/s"
-              f"  (first call {warm:.2f} s)", flush=True)
+    for name in engines:
+        rates = [n / s for s, n in runs[name]]
+        results[name] = statistics.median(rates)
+        print(f"  {name:12s} {statistics.median(s for s, _ in runs[name]):7.2f} s  {results[name]:10,.0f} tok/s"
+              f"  (range {min(rates):,.0f}-{max(rates):,.0f}; first call {warm[name]:.2f} s)", flush=True)
+    if "native bf16" in runs and "native fp8" in runs:
+        ratios = [b_s / f_s for (b_s, _), (f_s, _) in zip(runs["native bf16"], runs["native fp8"])]
+        print(f"  native fp8 / native bf16 = {statistics.median(ratios):.2f}x (per round: "
+              + ", ".join(f"{r:.2f}" for r in ratios) + ")")
     hf_best = max((v for k, v in results.items() if k.startswith("hf")), default=0.0)
     if hf_best:
-        print(f"  native / best hf = {results['native'] / hf_best:.2f}x")
-    native.phase_s = {}
-    sync()
-    start = time.perf_counter()
-    native.generate(prompts, params)
-    total = time.perf_counter() - start
-    print(f"  native phases (synchronized run, {total:.2f} s): "
-          + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)" for k, v in sorted(native.phase_s.items())))
-    if args.profile and device == "cuda":
-        profile(native, args.prompt + args.new // 2 - 30)  # 60 replays end halfway
+        for name in natives:
+            print(f"  {name} / best hf = {results[name] / hf_best:.2f}x")
+    for name, native in natives.items():
+        native.phase_s = {}
+        sync()
+        start = time.perf_counter()
+        native.generate(prompts, params)
+        total = time.perf_counter() - start
+        print(f"  {name} phases (synchronized run, {total:.2f} s): "
+              + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)" for k, v in sorted(native.phase_s.items())))
+        if args.profile and device == "cuda":
+            profile(native, args.prompt + args.new // 2 - 30)  # 60 replays end halfway
+    for name, native in natives.items() if args.gap else ():
+        gap = logprob_gap(native, hf_model, prompts[:args.gap], args.new, tok.pad_token_id)
+        print(f"  {name} vs bf16 training forward, {args.gap} x {args.new} sampled tokens: mean |dlogprob| "
+              f"{gap.mean():.2e}, p99 {gap.quantile(0.99):.2e}, max {gap.max():.2e}", flush=True)
     if device == "cuda":
-        weights = sum(p.numel() for p in hf_model.parameters())
         tbps = args.hbm_tbps or copy_tbps()
-        peak = roofline(cfg, weights, args.seqs, args.prompt, args.new, dtype.itemsize, tbps)
-        print(f"  HBM {tbps:.2f} TB/s ({'given' if args.hbm_tbps else 'measured: 1 GiB device copy'}); "
-              f"decode roofline ~{peak:,.0f} tok/s; native reaches {100 * results['native'] / peak:.0f}%, "
-              f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        for name, native in natives.items():
+            weight_bytes = sum(p.numel() * p.element_size() for p in native.model.parameters())
+            peak = roofline(cfg, weight_bytes, args.seqs, args.prompt, args.new, dtype.itemsize, tbps)
+            print(f"  HBM {tbps:.2f} TB/s ({'given' if args.hbm_tbps else 'measured: 1 GiB device copy'}); {name}: "
+                  f"weights {weight_bytes / 1e9:.2f} GB, decode roofline ~{peak:,.0f} tok/s, reaches "
+                  f"{100 * results[name] / peak:.0f}%")
+        print(f"  peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

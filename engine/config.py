@@ -60,7 +60,7 @@ class RolloutConfig:
     top_p: float = 1.0  # sample from the smallest token set holding this much probability; 1 disables
     top_k: int = 0  # 0 disables top-k
     stop_strings: list[str] = field(default_factory=list)  # eos always stops
-    dtype: str = "float32"  # generation dtype; model.dtype's unless algorithm.rollout_correction corrects the gap
+    dtype: str = "float32"  # float32 | bfloat16 | fp8 (native, sm89+ GPU); unless model.dtype, needs rollout_correction
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
     free_cache: bool = False  # release the rollout's KV cache and weights while training (native: CUDA graphs kept)
     tp: int = 1  # native: tensor-parallel size of generation; groups of tp consecutive workers share their prompts
@@ -336,7 +336,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 JOBS = ("rl", "sft", "dpo")  # what `rlflow train`, `rlflow sft` and `rlflow dpo` run
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
-    "rollout.dtype": ("float32", "bfloat16"),
+    "rollout.dtype": ("float32", "bfloat16", "fp8"),
     "rollout.backend": ("hf", "native", "vllm"),
     "data.overlong_prompts": ("skip", "error"),
     "actor.lr_schedule": ("constant", "cosine"),
@@ -410,6 +410,9 @@ def validate(cfg: Config) -> None:
     if r.dtype != cfg.model.dtype and cfg.algorithm.rollout_correction == "none":
         raise ConfigError(f"rollout.dtype={r.dtype} differs from model.dtype={cfg.model.dtype}: rollout logprobs "
                           "would not match training logprobs; set algorithm.rollout_correction to correct for it")
+    if r.dtype == "fp8" and (r.backend != "native" or not p.gpus_per_worker):
+        raise ConfigError(f"rollout.dtype=fp8 runs on the native backend on GPUs (compute capability 8.9+); got "
+                          f"rollout.backend={r.backend}, placement.gpus_per_worker={p.gpus_per_worker}")
     if not 0 < r.top_p <= 1 or r.temperature < 0 or r.top_k < 0:
         raise ConfigError("rollout needs 0 < top_p <= 1, temperature >= 0, top_k >= 0")
     if r.tp < 1 or p.workers % r.tp or (r.tp > 1 and r.backend != "native"):

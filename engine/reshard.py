@@ -27,7 +27,10 @@ of those tensors moved, so a switch is a few batched copies per bucket (`torch._
 not a few tensor ops per block on the host.
 
 Invariant: after `sync`, the rollout's parameters equal bit for bit what `load_weights` of the
-full tensors writes (the same cast, the same cuts).
+full tensors writes (the same cast, the same cuts). An fp8 rollout (`rollout.dtype=fp8`) takes
+its weights in bf16 like a bf16 one and quantises each block's rows where they land, scales and
+all: a row's quantisation reads that row alone (engine/rollout/fp8.py), so blocks agree with
+`load_weights` bit for bit too.
 
 Split placement (`placement.own_pool=[rollout]`): the rollout engines live in their own pool, whose
 processes share no default group with the trainer's. `WeightBroadcast` is a stand-alone group of
@@ -57,6 +60,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from engine.rollout import fp8
 from engine.rollout.model import Cut, NativeCausalLM
 from engine.tensors import tcp_store
 from engine.train import lora
@@ -111,7 +115,7 @@ class Resharder:
         self.rollout = rollout
         self.source = dict(trainer.named_parameters())
         self.target = dict(rollout.named_parameters())
-        self.dtype = next(iter(self.target.values())).dtype
+        self.dtype = rollout.model.embed_tokens.weight.dtype  # what travels: bf16 to an fp8 rollout too
         self.device = next(iter(self.source.values())).device
         mine = {name: rollout.place(name, p.shape) for name, p in self.source.items()}
         needs = [mine]
@@ -148,7 +152,7 @@ class Resharder:
         flying = None  # the previous bucket: its copies in wait for its collective, while this one's packs
         for views in self._views():
             sent = self._send(views)
-            copy_all(views.own_dst, views.own_src)  # rows this rank keeps go straight from its shard into place
+            write_all(views.own_dst, views.own_src, views.own_scales)  # rows this rank keeps: from its shard into place
             if flying:
                 self._receive(*flying)
             flying = (views, *sent)
@@ -174,7 +178,8 @@ class Resharder:
         if key != self._key:
             self._bound = [BucketViews([self._source_rows(b) for b in out], [self._target_rows(b) for b in inc],
                                        [self._target_rows(b) for b in own], [self._source_rows(b) for b in own],
-                                       out_splits, in_splits)
+                                       out_splits, in_splits, [self._scale_rows(b) for b in inc],
+                                       [self._scale_rows(b) for b in own])
                            for out, inc, own, out_splits, in_splits in self.moves]
             self._key = key
         return self._bound
@@ -196,11 +201,16 @@ class Resharder:
         """Wait for a bucket's all_to_all and copy each received block into its place."""
         if work is not None:
             work.wait()
-        copy_all(views.inc_dst, split_like(recv, views.inc_dst))
+        write_all(views.inc_dst, split_like(recv, views.inc_dst), views.inc_scales)
 
     def _target_rows(self, b: Block) -> torch.Tensor:
         """Where block `b` lands: its rows of the rollout's parameter."""
         return self.target[b.target].narrow(0, b.row, b.rows[1] - b.rows[0])
+
+    def _scale_rows(self, b: Block) -> torch.Tensor | None:
+        """The scales of block `b`'s rows where it lands in an fp8 weight; None for any other parameter."""
+        scale = self.target.get(b.target + "_scale")
+        return None if scale is None else scale.narrow(0, b.row, b.rows[1] - b.rows[0])
 
     def _source_rows(self, b: Block) -> torch.Tensor:
         """This rank's rows (and columns) of block `b`, a view of its shard."""
@@ -219,14 +229,17 @@ class Resharder:
 @dataclass
 class BucketViews:
     """One bucket's work on this rank, as views: what it sends (in send order), where what it
-    receives lands (in receive order), where its own rows land and where they come from, and the
-    element counts per peer of its all_to_all."""
+    receives lands (in receive order), where its own rows land and where they come from, the
+    element counts per peer of its all_to_all, and, beside each landing place in an fp8 weight,
+    its rows' scales (None elsewhere)."""
     out_src: list[torch.Tensor]
     inc_dst: list[torch.Tensor]
     own_dst: list[torch.Tensor]
     own_src: list[torch.Tensor]
     out_splits: list[int]
     in_splits: list[int]
+    inc_scales: list[torch.Tensor | None]
+    own_scales: list[torch.Tensor | None]
 
 
 def local(p: torch.Tensor) -> torch.Tensor:
@@ -244,6 +257,17 @@ def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """dst[i] = src[i] (cast to dst's dtype), in one batched call."""
     if dst:
         torch._foreach_copy_(dst, src)
+
+
+def write_all(dst: list[torch.Tensor], src: list[torch.Tensor], scales: list[torch.Tensor | None]) -> None:
+    """dst[i] = src[i]: cast (`copy_all`), or quantised into fp8 rows with their scales where scales[i] is set."""
+    if not any(s is not None for s in scales):
+        copy_all(dst, src)
+        return
+    copy_all([d for d, s in zip(dst, scales) if s is None], [x for x, s in zip(src, scales) if s is None])
+    for d, x, s in zip(dst, src, scales):
+        if s is not None:
+            fp8.quantize_into(d, s, x)
 
 
 def weight_sync(trainer: torch.nn.Module, rollout: Any) -> Resharder | FullSync:

@@ -38,6 +38,7 @@ from engine import algos
 from engine.batch import Batch, Update
 from engine.config import Config
 from engine.reshard import WeightBroadcast, full_tensors, push_weights, weight_shapes
+from engine.rollout.build import weights_dtype
 from engine.tensors import peak_memory
 from engine.train import lora
 from engine.train.fsdp import TrainEngine, response_logprobs
@@ -217,7 +218,7 @@ class PolicySender(Policy):
     def connect_rollout(self, host: str, port: int, size: int) -> None:
         """Rank 0: host the weight group of this rank and the `size` - 1 rollout ranks, which
         join it at host:port at the same time."""
-        self.link = WeightBroadcast(host, port, 0, size, self.weight_plan(), getattr(torch, self.cfg.rollout.dtype),
+        self.link = WeightBroadcast(host, port, 0, size, self.weight_plan(), weights_dtype(self.cfg.rollout.dtype),
                                     self.engine.device)
 
     def push_weights(self, update: Update | None) -> int:

@@ -37,7 +37,7 @@ from engine.config import Config
 from engine.data.rewards import load_function
 from engine.reshard import WeightBroadcast
 from engine.rollout.base import SamplingParams
-from engine.rollout.build import build_rollout
+from engine.rollout.build import build_rollout, weights_dtype
 from engine.rollout.model import TP
 from engine.tensors import left_pad, peak_memory, right_pad
 from engine.train import lora
@@ -133,7 +133,7 @@ class Rollout:
     def connect(self, host: str, port: int, size: int, shapes: list[tuple[str, list[int]]]) -> None:
         """Join the weight group hosted by trainer rank 0 at host:port, as its rank 1 + this rank;
         `shapes` is the trainer's push plan (`engine.reshard.weight_shapes`)."""
-        dtype = getattr(torch, self.cfg.rollout.dtype)
+        dtype = weights_dtype(self.cfg.rollout.dtype)  # bf16 for fp8: quantised on arrival
         self.link = WeightBroadcast(host, port, 1 + self.rank, size, shapes, dtype, self.device)
         a = self.cfg.actor
         if a.lora_rank:  # the trainer pushes adapters: merge them beside a copy of the base

@@ -8,7 +8,14 @@ from typing import Any
 
 import torch
 
+from engine.rollout import fp8
 from engine.rollout.base import HFRollout, RolloutEngine
+
+
+def weights_dtype(dtype: str) -> torch.dtype:
+    """The dtype weights travel in to a rollout of `rollout.dtype`: an fp8 engine takes bf16 and
+    quantises on arrival (engine/rollout/fp8.py)."""
+    return fp8.WIRE if dtype == "fp8" else getattr(torch, dtype)
 
 
 def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, device: str, max_len: int,
@@ -17,8 +24,13 @@ def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, devi
     kept in sync with the trainer through `load_weights` (or, for native, engine/reshard.py),
     running up to `max_slots` sequences at once (native: fewer if its KV cache would overflow
     `kv_cache_memory`, a fraction of free GPU memory). Native only: `tp` (an
-    `engine.rollout.model.TP`) holds this rank's tensor-parallel piece."""
-    torch_dtype = getattr(torch, dtype)
+    `engine.rollout.model.TP`) holds this rank's tensor-parallel piece. `dtype` fp8: native on a
+    CUDA GPU of compute capability 8.9+ only (a RuntimeError elsewhere)."""
+    if dtype == "fp8" and backend != "native":
+        raise RuntimeError(f"rollout.dtype=fp8 needs rollout.backend=native, got {backend}")
+    if dtype == "fp8":
+        fp8.check_device(device)
+    torch_dtype = fp8.FP8 if dtype == "fp8" else getattr(torch, dtype)
     if backend == "hf":
         from transformers import AutoModelForCausalLM
 

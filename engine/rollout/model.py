@@ -12,7 +12,10 @@ Invariants:
 - `forward` without a cache is a plain causal forward over right-padded rows;
 - prefill writes rows' K/V into `cache[:, slot, :, :S]`; decode runs row i on slot i, writes one
   token at `cache[:, i, :, kv_len]` and attends over the slot's first `kv_len + 1` positions;
-- RMSNorm and RoPE follow transformers' numerics (float32 norm, rotate-half RoPE).
+- RMSNorm and RoPE follow transformers' numerics (float32 norm, rotate-half RoPE);
+- built with `quantize=True` (`rollout.dtype=fp8`), the decoder's projections keep their weights in
+  float8 e4m3 with a float32 scale per output row (engine/rollout/fp8.py), quantised whenever
+  weights are written (`load`, engine/reshard.py); every other parameter is bf16.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.rollout import kernels
+from engine.rollout import fp8, kernels
 from engine.rollout.vmm import StableBuffer
 from engine.tensors import consecutive_group, fused
 
@@ -67,13 +70,35 @@ class Cut:
         return full if self.dim is None else full.narrow(self.dim, self.start, self.length)
 
 
-def load(param: torch.Tensor, full: torch.Tensor, cut: Cut) -> None:
-    """Write `cut`'s piece of the full HF tensor into `param`."""
+def load(param: torch.Tensor, full: torch.Tensor, cut: Cut, scale: torch.Tensor | None = None) -> None:
+    """Write `cut`'s piece of the full HF tensor into `param`; into an fp8 weight, quantised, with
+    its rows' scales into `scale` [N]."""
     src = cut.source(full)
     dst = param.narrow(0, cut.row, src.shape[0]) if param.dim() else param
     if dst.shape != src.shape:
         raise ValueError(f"shape {tuple(src.shape)} does not fit parameter {tuple(param.shape)} at row {cut.row}")
-    dst.zero_() if cut.zero else dst.copy_(src)
+    if scale is not None:
+        fp8.quantize_into(dst, scale.narrow(0, cut.row, src.shape[0]), src)
+    else:
+        dst.zero_() if cut.zero else dst.copy_(src)
+
+
+def fp8_weight(layer: nn.Linear) -> None:
+    """Keep `layer`'s weight [N, K] in float8 e4m3, its scales [N] beside it (`weight_scale`); on the
+    meta device, before `materialize`. No bf16 copy is kept: the memory and the bytes each decode
+    step reads are what fp8 is for, and the trainer's weights, sent again at every sync, are the
+    source of truth (the engine never needs to quantise anew from its own copy)."""
+    w = layer.weight
+    layer.weight = nn.Parameter(torch.empty(w.shape, dtype=fp8.FP8, device=w.device), requires_grad=False)
+    layer.weight_scale = nn.Parameter(torch.empty(w.shape[0], device=w.device), requires_grad=False)
+
+
+def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer`'s x @ weight.T + bias; an fp8 GEMM where `fp8_weight` made the weight fp8."""
+    if layer.weight.dtype != fp8.FP8:
+        return F.linear(x, layer.weight, layer.bias)
+    scale: torch.Tensor = layer.weight_scale  # type: ignore[assignment]  # an attribute fp8_weight set
+    return fp8.linear(x, layer.weight, scale, layer.bias)
 
 
 class FusedLinear(nn.Linear):
@@ -95,6 +120,9 @@ class FusedLinear(nn.Linear):
         rows = shape[0] // self.tp.size
         return Cut(0, self.tp.rank * rows, rows, self.offsets[shard])
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self, x)
+
 
 class RowLinear(nn.Linear):
     """Row parallel: the input dim split over the TP ranks, partial outputs summed by all-reduce."""
@@ -112,7 +140,7 @@ class RowLinear(nn.Linear):
         return Cut(zero=self.tp.rank != 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        out = project(self, x)
         if self.tp.size > 1:
             torch.distributed.all_reduce(out, group=self.tp.group)
         return out
@@ -375,12 +403,17 @@ def check_config(cfg: Any, tp: TP) -> None:
 
 
 class NativeCausalLM(nn.Module):
-    def __init__(self, cfg: Any, tp: TP = TP()) -> None:
+    def __init__(self, cfg: Any, tp: TP = TP(), quantize: bool = False) -> None:
         super().__init__()
         check_config(cfg, tp)
         self.config, self.tp = cfg, tp
         self.kv_heads = cfg.num_key_value_heads // tp.size  # this rank's, as its KV cache holds
         self.model = Backbone(cfg, tp)
+        if quantize:  # fp8: the decoder's projections alone. The embedding is a lookup and the norms are
+            # tiny; the lm_head's logits are what sampling and the logprobs read, so it stays bf16 too
+            for layer in self.model.layers.modules():
+                if isinstance(layer, (FusedLinear, RowLinear)):
+                    fp8_weight(layer)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_dim = head_dim(cfg)
@@ -392,20 +425,28 @@ class NativeCausalLM(nn.Module):
         self.writes = 0  # how many times the weights were (re)written: a KV cache made before is stale
 
     def materialize(self, device: str | torch.device, dtype: torch.dtype) -> NativeCausalLM:
-        """Uninitialised storage for a model built on the meta device. On CUDA every parameter
-        lies in one StableBuffer (engine/rollout/vmm.py), so `release_weights` can give the memory back
-        while training runs, and the next write takes it again at the same addresses, which the
-        decode graphs hold."""
+        """Uninitialised storage in `dtype` for a model built on the meta device (fp8 weights and
+        their scales, `fp8_weight`'s, keep their own dtypes). On CUDA every parameter lies in one
+        StableBuffer (engine/rollout/vmm.py), so `release_weights` can give the memory back while
+        training runs, and the next write takes it again at the same addresses, which the decode
+        graphs hold."""
         device = torch.device(device)
+        named = [(name, p, p.dtype if p.dtype == fp8.FP8 or name.endswith("weight_scale") else dtype)
+                 for name, p in self.named_parameters()]  # a tied head's weight once
         if device.type != "cuda":
-            return self.to_empty(device=device).to(dtype)
-        named = list(self.named_parameters())  # a tied head's weight once
-        sizes = [-(-p.numel() * dtype.itemsize // 512) * 512 for _, p in named]  # each 512-byte aligned
+            if not any(p.dtype == fp8.FP8 for _, p, _ in named):
+                return self.to_empty(device=device).to(dtype)
+            for name, p, kind in named:  # `.to(dtype)` would cast the fp8 weights and their scales too
+                owner, _, leaf = name.rpartition(".")
+                setattr(self.get_submodule(owner), leaf,
+                        nn.Parameter(torch.empty(p.shape, dtype=kind, device=device), requires_grad=False))
+            return self
+        sizes = [-(-p.numel() * kind.itemsize // 512) * 512 for _, p, kind in named]  # each 512-byte aligned
         self.weights = StableBuffer(sum(sizes), device)
         at = 0
-        for (name, p), n in zip(named, sizes):  # new Parameters: a meta tensor's storage cannot be swapped
+        for (name, p, kind), n in zip(named, sizes):  # new Parameters: a meta tensor's storage cannot be swapped
             owner, _, leaf = name.rpartition(".")
-            setattr(self.get_submodule(owner), leaf, nn.Parameter(self.weights.view(dtype, tuple(p.shape), at),
+            setattr(self.get_submodule(owner), leaf, nn.Parameter(self.weights.view(kind, tuple(p.shape), at),
                                                                   requires_grad=False))
             at += n
         return self
@@ -431,7 +472,7 @@ class NativeCausalLM(nn.Module):
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None,
                         device: str | torch.device = "cpu", tp: TP = TP()) -> NativeCausalLM:
         """Build from a HF directory: config via AutoConfig, weights (this rank's shards) from its
-        safetensors files."""
+        safetensors files. `dtype` float8_e4m3fn: fp8 projections, bf16 elsewhere (`fp8_weight`)."""
         from safetensors import safe_open
         from transformers import AutoConfig
 
@@ -443,8 +484,8 @@ class NativeCausalLM(nn.Module):
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {path}")
         with torch.device("meta"):  # no random init, no full-precision copy on the device
-            model = cls(cfg, tp)
-        model = model.materialize(device, dtype)
+            model = cls(cfg, tp, quantize=dtype == fp8.FP8)
+        model = model.materialize(device, fp8.WIRE if dtype == fp8.FP8 else dtype)
         loaded: set[str] = set()
         for f in files:
             with safe_open(str(f), framework="pt") as st:
@@ -455,13 +496,14 @@ class NativeCausalLM(nn.Module):
         return model
 
     @classmethod
-    def from_module(cls, module: nn.Module, tp: TP = TP()) -> NativeCausalLM:
+    def from_module(cls, module: nn.Module, tp: TP = TP(), dtype: torch.dtype | None = None) -> NativeCausalLM:
         """A copy (this rank's shards) of a live HF causal LM, e.g. the trainer's, on its device
-        and in its dtype."""
+        and in its dtype (or `dtype`, as `from_pretrained` takes it)."""
         weight = next(module.parameters())
+        dtype = dtype or weight.dtype
         with torch.device("meta"):
-            model = cls(module.config, tp)
-        model = model.materialize(weight.device, weight.dtype)
+            model = cls(module.config, tp, quantize=dtype == fp8.FP8)
+        model = model.materialize(weight.device, fp8.WIRE if dtype == fp8.FP8 else dtype)
         missing = set(dict(model.named_parameters())) - model.load_weights(module.named_parameters())
         if missing:
             raise ValueError(f"the module lacks weights for {sorted(missing)}")
@@ -482,7 +524,8 @@ class NativeCausalLM(nn.Module):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy full HF-named tensors in, each cut to this rank's piece by its layer (fused and
-        tensor-parallel layers); returns the parameter names written."""
+        tensor-parallel layers), an fp8 weight quantised with its scales; returns the parameter
+        names written."""
         self.writing_weights()
         params = dict(self.named_parameters())
         loaded = set()
@@ -490,8 +533,9 @@ class NativeCausalLM(nn.Module):
             for hf_name, tensor in named_tensors:
                 placed = self.place(hf_name, tensor.shape)
                 if placed is not None:
-                    load(params[placed[0]], tensor, placed[1])
-                    loaded.add(placed[0])
+                    name, scale = placed[0], params.get(placed[0] + "_scale")  # weight -> weight_scale
+                    load(params[name], tensor, placed[1], scale)
+                    loaded |= {name, name + "_scale"} if scale is not None else {name}
         return loaded
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
