@@ -210,7 +210,12 @@ def all_keys(cls: Any = Config, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+RENAMED = {"trainer.async_mode": "trainer.max_staleness (sync: 0, one_step: 1)"}  # old key -> what replaced it
+
+
 def _unknown(key: str) -> ConfigError:
+    if key in RENAMED:
+        return ConfigError(f"config key '{key}' is now {RENAMED[key]}")
     close = difflib.get_close_matches(key, list(all_keys()), n=1, cutoff=0.4)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")

@@ -87,6 +87,7 @@ def test_unknown_key_in_yaml(tmp_path):
     (["trainer.max_staleness=2", "placement.own_pool=[rollout]", "algorithm.dynamic_sampling_tries=3"],
      "run them with trainer.max_staleness=0"),
     (["trainer.max_staleness=-1"], "must be >= 0"),
+    (["trainer.async_mode=one_step"], "is now trainer.max_staleness \\(sync: 0, one_step: 1\\)"),
     ("actor.sp=2", "divide placement.workers=1"),
     (["placement.workers=2", "actor.sp=2", "actor.pack_sequences=true"], "runs padded rows"),
     (["placement.workers=2", "actor.sp=2", "actor.loss_agg=seq-mean-token-mean"], "token-level loss"),
