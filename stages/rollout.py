@@ -157,10 +157,24 @@ class Rollout:
         return version
 
     def _take_staged(self) -> None:
-        """Load the newest weights a push staged (generating ahead), before a generation starts."""
+        """Load the newest weights a push staged (generating ahead), before a generation starts. A
+        tensor-parallel group takes them only once each of its ranks holds the same version (a push
+        lands on its ranks at slightly different times), so the group never generates with two."""
+        if not self.ahead:
+            return
         with self.lock:
-            staged, self.staged = self.staged, None
-        if staged is not None:
-            version, tensors = staged
-            self.sink.load_weights(tensors)
-            self.weight_version = version
+            staged = self.staged
+        if self.tp.size > 1:  # collective in the group, as generate is
+            every: list[int | None] = [None] * self.tp.size
+            torch.distributed.all_gather_object(every, staged[0] if staged else self.weight_version,
+                                                group=self.tp.group)
+            if len(set(every)) > 1:
+                return  # the next generate takes them
+        if staged is None:
+            return
+        with self.lock:
+            if self.staged is staged:  # else a newer push replaced it meanwhile: the next generate takes that
+                self.staged = None
+        version, tensors = staged
+        self.sink.load_weights(tensors)
+        self.weight_version = version
