@@ -273,13 +273,9 @@ class GRPO:
         The loader moves past a batch only when its step takes it: the ones ahead are peeked, so a
         checkpoint's loader position is a synchronous run's, and a resumed run generates the
         batches that were in flight again (from the checkpoint's weights), skipping no prompt."""
-        assert stages.generator is not None and stages.reward is not None
+        assert stages.reward is not None
         while True:
-            while len(self.queued) <= self.ahead and step + len(self.queued) < self.cfg.trainer.total_steps:
-                # generation only: a score queued now on a worker the trainer shares would hold up
-                # its update (an actor runs its calls in order) until the batch exists
-                ahead = len(self.queued)
-                self.queued.append(submit_rollout(stages.generator, None, loader.peek_batch(ahead), step + ahead))
+            self._queue(stages, loader, step)
             try:
                 generated = wait(self.queued[0], SUBMIT, stages.timeout)
                 break
@@ -289,6 +285,15 @@ class GRPO:
         loader.next_batch()
         score = stages.reward.bound(SUBMIT)
         return wait([score.at(r, Reward.score, b) for r, b in enumerate(generated)], SUBMIT, stages.timeout)
+
+    def _queue(self, stages: Stages, loader: PromptLoader, step: int) -> None:
+        """Submit the generation of this step's batch and the next k, those not queued yet."""
+        assert stages.generator is not None
+        while len(self.queued) <= self.ahead and step + len(self.queued) < self.cfg.trainer.total_steps:
+            # generation only: a score queued now on a worker the trainer shares would hold up its
+            # update (an actor runs its calls in order) until the batch exists
+            ahead = len(self.queued)
+            self.queued.append(submit_rollout(stages.generator, None, loader.peek_batch(ahead), step + ahead))
 
     def after_step(self, stages: Stages, outputs: list[Update]) -> None:
         """Generating ahead: the rollout pool receives this step's weights beside the generation

@@ -304,8 +304,7 @@ def settle(refs: list[Any], timeout: float = 10.0) -> None:
 def rollout_lost(stages: Stages) -> bool:
     """Whether a worker of the split rollout pool is gone (asked on its second thread, which a
     worker busy generating still answers)."""
-    if not isinstance(stages.sync, Broadcast):
-        return False
+    assert isinstance(stages.sync, Broadcast), "only a split rollout pool is lost alone"
     try:
         ray.get([w.alive.remote() for w in stages.sync.receiver.workers], timeout=10)
     except WORKER_LOST:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -73,6 +74,25 @@ def stage_workers(pid: int) -> list:
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+def fault_after_step_2(tmp_path: Path, args: list[str],
+                       fault: Callable[[subprocess.Popen], None]) -> tuple[int, str]:
+    """Run `args` in the background, call `fault` on it once its step-2 checkpoint is complete
+    (or it ended, or 300 s passed), and return its exit code and output; it never outlives the call."""
+    proc = subprocess.Popen(args, env=env(tmp_path), cwd=tmp_path, start_new_session=True, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        marker = tmp_path / "out" / "checkpoints" / "step_000002" / "COMPLETE"
+        deadline = time.time() + 300
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        fault(proc)
+        output, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, output
 
 
 def history(client: MlflowClient, run_id: str) -> dict[str, list[tuple[int, float]]]:
@@ -227,6 +247,7 @@ def test_async_trains_at_most_k_versions_behind_and_resumes_without_skipping_a_p
 DIES_ONCE = """
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from engine.agents.env import Step
@@ -258,19 +279,8 @@ def test_async_rebuilds_a_dead_rollout_worker_while_training_goes_on(tmp_path):
             f"rollout.env={tmp_path / 'dies_once.py'}:DiesOnce", "rollout.max_turns=1", "rollout.episode_tokens=8",
             "trainer.total_steps=6", "trainer.save_every=2", "trainer.max_restarts=1", "trainer.step_timeout_s=60",
             "warmstart.steps=0"]
-    proc = subprocess.Popen(args, env=env(tmp_path), cwd=tmp_path, start_new_session=True, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        marker = tmp_path / "out" / "checkpoints" / "step_000002" / "COMPLETE"
-        deadline = time.time() + 300
-        while not marker.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
-        (tmp_path / "kill").touch()
-        output, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
+    returncode, output = fault_after_step_2(tmp_path, args, lambda proc: (tmp_path / "kill").touch())
+    assert returncode == 0, output[-3000:]
     assert (tmp_path / "killed").exists()
     assert "a rollout worker died" in output and "new rollout pool 1/1" in output, output[-3000:]
     assert "restart 1/1" not in output
@@ -348,22 +358,15 @@ def test_a_killed_worker_is_rebuilt_and_the_run_finishes(tmp_path):
     args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
             f"reward.function={tmp_path / 'length_reward.py'}:compute_score", "trainer.total_steps=5",
             "trainer.save_every=2", "trainer.max_restarts=1"]
-    proc = subprocess.Popen(args, env=env(tmp_path), cwd=tmp_path, start_new_session=True, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        marker = tmp_path / "out" / "checkpoints" / "step_000002" / "COMPLETE"
-        deadline = time.time() + 300
-        while not marker.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.2)
+
+    def kill_workers(proc: subprocess.Popen) -> None:
         workers = stage_workers(proc.pid)
         assert workers, "no stage worker process found"
         for p in workers:
             p.kill()
-        output, _ = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, output[-3000:]
+
+    returncode, output = fault_after_step_2(tmp_path, args, kill_workers)
+    assert returncode == 0, output[-3000:]
     assert "restart 1/1 from" in output and "step_000002" in output
     client, run = only_run(tmp_path)
     assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
