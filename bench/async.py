@@ -71,7 +71,7 @@ def curve(client: MlflowClient, run_id: str) -> dict:
     """Steps' clock and phases, and the held-out accuracy at each validation (over the steps' clock)."""
     def h(key: str) -> dict[int, float]:
         return {m.step: m.value for m in client.get_metric_history(run_id, key)}
-    step, gen, acc, stale = h("timing_s/step"), h("timing_s/gen"), h("val/accuracy"), h("async/staleness")
+    step, gen, acc, stale = h("timing_s/step"), h("timing_s/gen"), h("val/accuracy"), h("async/staleness/max")
     clock, t = {0: 0.0}, 0.0
     for s in sorted(step):
         t += step[s]

@@ -41,6 +41,13 @@ def trainer_logprobs(model, prompts: list[list[int]], n: int, completions: list,
     return logp
 
 
+def perturbed(hf, scale: float = 0.2, seed: int = 1) -> list[tuple[str, torch.Tensor]]:
+    """Another policy of the same shapes: `hf`'s weights plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    return [(n, p.detach() + scale * p.detach().std() * torch.randn(p.shape, generator=g))
+            for n, p in hf.named_parameters()]
+
+
 def leave_group() -> None:
     """End a spawned test worker once its results are saved: a barrier, so no rank tears its gloo
     pairs down while a peer still reads from them, then an exit without the interpreter's teardown.

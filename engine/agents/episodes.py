@@ -50,6 +50,8 @@ class Episode:
     ids: list[int] = field(default_factory=list)  # the response: sampled turns and observations
     mask: list[float] = field(default_factory=list)  # 1 on sampled tokens
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0 under observations
+    # the weights version per token, the last turn's under an observation ([] from an engine that books none)
+    versions: list[int] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)  # a step's reward on its turn's last token, else 0
     messages: list[dict] = field(default_factory=list)  # the turns by role, for sample tables
     reward: float = 0.0  # the environment's, summed over steps
@@ -123,6 +125,7 @@ class _Turns:
         e.ids += c.token_ids
         e.mask += [1.0] * len(c.token_ids)
         e.logprobs += c.logprobs
+        e.versions += c.versions
         e.rewards += [0.0] * len(c.token_ids)
         e.turns += 1
         text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
@@ -144,6 +147,7 @@ class _Turns:
         e.ids += ids
         e.mask += [0.0] * len(ids)
         e.logprobs += [0.0] * len(ids)
+        e.versions += e.versions[-1:] * len(ids)
         e.rewards += [0.0] * len(ids)
         e.messages += messages
         return True

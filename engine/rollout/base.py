@@ -48,6 +48,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    # per token, the weights version that sampled it, where weights may land mid-sequence (the native
+    # engine with a `swap`); [] where they land only between calls
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -29,6 +29,11 @@ Invariants (those of engine/rollout/base.py, plus):
   until the slot is taken or the weights are written: a later prompt that continues a history
   exactly (an episode's next turn: history + sampled token + observation) takes that slot and
   takes in only what is new;
+- with `swap` set (partial rollouts), weights may land between two engine steps: the sequences in
+  flight go on from the K/V their earlier tokens left in the cache, and each token records the
+  version that sampled it (`Completion.versions`). Nothing is recomputed: a prefill of every
+  sequence in flight at every update would cost what generating ahead is meant to hide, and the
+  logprob booked with each token is the one it was drawn with, all the importance weights need;
 - with tensor parallelism (`model.tp`), every rank of the TP group must call `generate` with the
   same prompts and params: logits are identical on every rank (the all-reduce's result is), so
   sampling and scheduling stay in lockstep, and `max_slots` is agreed on (the minimum);
@@ -45,7 +50,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +74,7 @@ class _Seq:
     void: int = 0  # results of steps launched on a fed token that is not the prompt's last: dropped
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # per token, the weights version of its step
     finish: str = ""  # "" while running, then "stop" | "length"
 
 
@@ -153,6 +159,10 @@ class NativeRollout:
         self._col0 = torch.zeros(2, cfg.num_hidden_layers, max_slots, self.model.kv_heads, head_dim(cfg),
                                  dtype=weight.dtype, device=self.device)
         self.prefilled = self.reused = 0  # prompt tokens run through prefill, and found cached instead
+        # partial rollouts: called between engine steps, it may load new weights (`load_weights`) and
+        # names the version now held, which the tokens of the steps launched after it carry
+        self.swap: Callable[[], int] | None = None
+        self.version = 0
         self.phase_s: dict[str, float] | None = None  # set to {} to profile generate (see _lap)
         self._lap_start = 0.0
         # the next decode's inputs per slot, kept on the device (the graphs' static inputs): each
@@ -240,12 +250,15 @@ class NativeRollout:
         more = True  # whether feed may give more requests
         rows: torch.Tensor | None = None  # running's slots on the device, while running is unchanged
         ahead: list[_Seq] | None = None  # the sequences of a sampling decode launched before the last was read
+        ahead_version = self.version  # the weights version that step was launched with
         with torch.inference_mode():
             self._lap("")
             while True:
                 if more:
                     more = self._take(feed(finished, not waiting and not running), params, waiting, reserved)
                     finished = []
+                if self.swap is not None:  # new weights land between steps; a step launched ahead keeps
+                    self.version = self.swap()  # the old ones (the copy queues behind it on the stream)
                 if not (waiting or running):
                     if more:
                         continue
@@ -261,10 +274,13 @@ class NativeRollout:
                 stalled = 0 if admitted or not waiting else stalled + 1
                 self._lap("schedule")
                 stepped = admitted or running
+                version = self.version  # that of the step whose tokens are booked below
                 if in_graph and not admitted:  # one replay: decode, sample, next inputs
                     # the next step is a decode too unless waiting requests are due a prefill
+                    version = self.version if ahead is None else ahead_version
                     stepped, ahead, tokens_list, logprobs_list = self._sampled_step(
                         running, ahead, generator, then_decode=bool(running) and not due)
+                    ahead_version = self.version
                     self._lap("decode")
                 else:
                     if admitted:
@@ -288,10 +304,12 @@ class NativeRollout:
                         continue
                     seq.tokens.append(tok)
                     seq.logprobs.append(lp)
+                    seq.versions.append(version)
                     seq.finish = self._finish(seq, stops, params)
                     if seq.finish:
                         retired.append(seq)
-                        finished.append((seq.key, Completion(seq.tokens, seq.logprobs, seq.finish)))
+                        finished.append((seq.key, Completion(seq.tokens, seq.logprobs, seq.finish,
+                                                             seq.versions if self.swap else [])))
                 if admitted or retired:
                     running, rows = [s for s in running + admitted if not s.finish], None
                 if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0

@@ -227,7 +227,7 @@ def test_async_trains_at_most_k_versions_behind_and_resumes_without_skipping_a_p
     rlflow(tmp_path, "out", *ahead, "trainer.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=2")
     client, run = only_run(tmp_path)
     got = history(client, run.info.run_id)
-    assert got["async/staleness"] == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0)]
+    assert got["async/staleness/max"] == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0)]
     assert got["rollout/weight_version"] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 2.0)]
     assert got["training/rollout_probs_diff_max"][1][1] > 1e-4  # the gap a version makes, corrected
     assert got["rollout_correction/mismatch_kl"][1][1] > 0
@@ -237,7 +237,7 @@ def test_async_trains_at_most_k_versions_behind_and_resumes_without_skipping_a_p
 
     resumed = rlflow(tmp_path, "out", *ahead, "trainer.max_staleness=2", "trainer.total_steps=7")
     assert "at step 4" in resumed.stdout
-    after = dict(history(client, run.info.run_id)["async/staleness"])
+    after = dict(history(client, run.info.run_id)["async/staleness/max"])
     assert after[5] == 0.0 and after[6] == 1.0  # regenerated from the checkpoint's weights, then one behind
     assert after[7] in (1.0, 2.0)  # queued two steps ahead: the version depends on when the pool started it
     state = json.loads((tmp_path / "out" / "checkpoints" / "step_000007" / "driver.json").read_text())
@@ -290,7 +290,7 @@ def test_async_rebuilds_a_dead_rollout_worker_while_training_goes_on(tmp_path):
     assert got["async/rollout_rebuilds"][-1] == (6, 1.0)
     assert [s for s, _ in got["actor/pg_loss"]] == [1, 2, 3, 4, 5, 6]
     rebuilt = next(s for s, n in got["async/rollout_rebuilds"] if n == 1.0)
-    assert dict(got["async/staleness"])[rebuilt] == 0.0  # regenerated from the trainer's weights of that step
+    assert dict(got["async/staleness/max"])[rebuilt] == 0.0  # regenerated from the trainer's weights of that step
 
 
 LORA = ["actor.lora_rank=8", "actor.lr=5e-3", "actor.kl_loss_coef=0.05"]  # adapters, the base as the reference

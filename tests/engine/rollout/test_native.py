@@ -5,7 +5,7 @@ contract it shares with the other backends: test_rollout_contract.py."""
 
 import pytest
 import torch
-from conftest import leave_group
+from conftest import leave_group, perturbed, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.rollout.base import SamplingParams
@@ -241,3 +241,37 @@ def test_continued_rows_of_very_different_lengths_share_a_prefill(model_dir, tok
     for a, b in zip(got, want):
         assert a[0].token_ids == b[0].token_ids
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_weights_landing_between_steps_are_booked_per_token(model_dir, hf, tok):
+    """Partial rollouts: new weights loaded between two engine steps. The sequences in flight go on
+    (their tokens before the load drawn by the old policy, those after by the new one over the K/V
+    kept), each token booked with its version; a sequence admitted after the load is the new
+    policy's throughout."""
+    engine = NativeRollout(model_dir, tok, max_slots=2, max_len=64)
+    new = perturbed(hf)
+    calls = []
+
+    def swap() -> int:
+        calls.append(1)
+        if len(calls) == 4:  # steps 1-3 ran: a prefill and two decodes
+            engine.load_weights(new)
+        return int(len(calls) >= 4)
+
+    engine.swap = swap
+    prompts = [tok.encode(t) for t in TEXTS[:4]]
+    out = [g[0] for g in engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))]
+    assert all(len(c.token_ids) == 10 for c in out), "the tiny model's greedy answers run to the limit"
+    assert [c.versions for c in out] == [[0] * 3 + [1] * 7] * 2 + [[1] * 10] * 2
+    new_hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    new_hf.load_state_dict(dict(new), strict=False)
+    old_lp = trainer_logprobs(hf, prompts, 1, out, tok.pad_token_id, 1.0)
+    new_lp = trainer_logprobs(new_hf, prompts, 1, out, tok.pad_token_id, 1.0)
+    for i, c in enumerate(out):
+        got = torch.tensor(c.logprobs)
+        if i < 2:  # in flight: the old policy's, then neither's alone (new weights over old K/V)
+            torch.testing.assert_close(got[:3], old_lp[i, :3], atol=1e-4, rtol=1e-4)
+            assert not torch.allclose(got[3:], old_lp[i, 3:10], atol=1e-3)
+        else:
+            torch.testing.assert_close(got, new_lp[i, :10], atol=1e-4, rtol=1e-4)
+

@@ -3,7 +3,7 @@ and its logprobs against a training forward, in fp32 (exact) and bf16 (reported)
 
 import pytest
 import torch
-from conftest import trainer_logprobs
+from conftest import perturbed, trainer_logprobs
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -82,6 +82,51 @@ def test_continued_sequences_sampled_in_the_graphs_score_as_the_trainer_does(mod
     diffs = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
     print(f"\ncontinued, bf16: mean |dlogprob| {diffs.mean():.2e}, max {diffs.max():.2e} over {len(diffs)} tokens")
     assert diffs.mean() < 5e-2
+
+
+def test_weights_landing_between_graph_steps_are_booked_per_token(model_dir):
+    """Partial rollouts on the graph path (bf16, sampling in the graphs, each step launched before
+    the last is read): new weights loaded while a step runs reach the steps launched after, not that
+    one (the copy queues behind it on the stream), and each token books the version it was drawn
+    with: tokens booked as the old policy's score as it does, and a sequence admitted after the load
+    as the new one does."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    # 4 sequences over 2 slots: two in flight at the load, two admitted after
+    graphs = NativeRollout(NativeCausalLM.from_pretrained(model_dir, torch.bfloat16, "cuda"), tok, max_slots=2,
+                           max_len=64)
+    old_hf, new_hf = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval() for _ in range(2))
+    new = perturbed(old_hf)
+    new_hf.load_state_dict(dict(new), strict=False)
+    new = [(n, t.to("cuda", torch.bfloat16)) for n, t in new]
+    calls = []
+
+    def swap() -> int:
+        calls.append(1)
+        if len(calls) == 4:  # a prefill, then decodes: steps 2-4 launched, each before the last was read
+            graphs.load_weights(new)
+        return int(len(calls) >= 4)
+
+    graphs.swap = swap
+    prompts = [tok.encode(t) for t in TEXTS[:4]]
+    out = [g[0] for g in graphs.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seed=5))]
+    assert any(sampled for _, sampled in graphs.graphs)
+    spanning = [c for c in out if 0 in c.versions and 1 in c.versions]
+    assert spanning and all(c.versions[:4] == [0] * 4 and set(c.versions[4:]) == {1} for c in spanning), \
+        [c.versions for c in out]
+    scored = {}
+    for version, model in ((0, old_hf), (1, new_hf)):
+        logp = scored[version] = trainer_logprobs(model.to("cuda", torch.bfloat16), prompts, 1, out,
+                                                  tok.pad_token_id, 1.0).float().cpu()
+        rows = [i for i, c in enumerate(out) if version == 0 or set(c.versions) == {1}]
+        diffs = torch.cat([(logp[i, :len(out[i].logprobs)] - torch.tensor(out[i].logprobs))[
+            torch.tensor(out[i].versions) == version].abs() for i in rows])
+        print(f"\nversion {version}: mean |dlogprob| {diffs.mean():.2e} over {len(diffs)} tokens")
+        assert len(diffs) and diffs.mean() < 5e-2
+    for c in spanning:  # the step in flight at the load: the old policy's token
+        i = out.index(c)
+        near_old, near_new = (abs(float(scored[v][i, 3]) - c.logprobs[3]) for v in (0, 1))
+        print(f"token 3 of row {i}: |dlogprob| {near_old:.2e} to the old policy, {near_new:.2e} to the new")
+        assert near_old < near_new
 
 
 def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
