@@ -3,6 +3,7 @@ real job (`rlflow train`, Ray, MLflow) from one warm start, several seeds, time 
 
     python bench/async.py                            # seeds 0-2, 30 steps each, ~20 min on 2 cores
     python bench/async.py --seeds 0 --steps 6        # a smoke run
+    python bench/async.py --task agent               # the agent task, its tool 0.5 s a call
 
 First the phase split of the embedded default (generation against the rest of a step), which
 caps what any overlap can give. Then, per seed and side by side, with `rollout.backend=hf` (the
@@ -17,6 +18,10 @@ one, so generation and training take comparable time on the CPU):
             it never idles, and a batch is one or two versions old
   stale4, stale4_tis  four steps queued ahead, without and with the correction: a mismatch strong
             enough to see what the correction does (`--modes split,stale4,stale4_tis`)
+With `--task agent`, the embedded agent task (conf/agent_calc.yaml) instead, warm-started as that
+config does, on the native engine, its calculator taking `--tool-s` seconds a call
+(bench/slow_calc.py, as a remote sandbox would): generation as long as the rest of a step, and
+long enough that streaming (k = 2) takes pushed weights mid-batch (partial rollouts).
 A run's clock is the sum of its logged step times (`timing_s/step`, validation left out). The
 threshold is the smoothed held-out accuracy (a mean of two validations) that every synchronous
 split run reaches; each run's time to it is printed, and the ideal overlap speedup
@@ -53,10 +58,10 @@ MODES = {
 # that generation or training needs (engine/config.py, placement.torch_threads)
 
 
-def rlflow(work: Path, name: str, *overrides: str) -> str:
-    """One `rlflow train` into the store under `work`; returns its run id."""
-    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db"}
-    cmd = [sys.executable, "-m", "pipelines.cli", "train", f"trainer.output_dir={work / name}",
+def rlflow(work: Path, name: str, *overrides: str, conf: list[str] = (), tool_s: float = 0.0) -> str:
+    """One `rlflow train [conf]` into the store under `work`; returns its run id."""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db", "TOOL_S": str(tool_s)}
+    cmd = [sys.executable, "-m", "pipelines.cli", "train", *conf, f"trainer.output_dir={work / name}",
            f"trainer.run_name={name}", "trainer.progress=false", "trainer.log_checkpoint=false", *overrides]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
@@ -71,7 +76,7 @@ def curve(client: MlflowClient, run_id: str) -> dict:
     """Steps' clock and phases, and the held-out accuracy at each validation (over the steps' clock)."""
     def h(key: str) -> dict[int, float]:
         return {m.step: m.value for m in client.get_metric_history(run_id, key)}
-    step, gen, acc, stale = h("timing_s/step"), h("timing_s/gen"), h("val/accuracy"), h("async/staleness/max")
+    step, gen, acc, stale = h("timing_s/step"), h("timing_s/gen"), h("val/accuracy"), h("async/staleness/mean")
     clock, t = {0: 0.0}, 0.0
     for s in sorted(step):
         t += step[s]
@@ -79,7 +84,8 @@ def curve(client: MlflowClient, run_id: str) -> dict:
     steady = sorted(step)[1:-1]  # the first compiles and loads, the last has nothing to overlap
     return {"clock": clock, "accuracy": sorted(acc.items()),
             "step_s": statistics.median(step[s] for s in steady),
-            "gen_s": statistics.median(gen[s] for s in steady), "staleness": statistics.mean(stale.values())}
+            "gen_s": statistics.median(gen[s] for s in steady), "staleness": statistics.mean(stale.values()),
+            "partial_rows": statistics.mean(h("async/partial_rows").values() or [0.0])}
 
 
 def time_to(c: dict, threshold: float) -> float | None:
@@ -96,6 +102,8 @@ def main() -> None:
     ap.add_argument("--modes", default="hybrid,split,one_step,stream", help=f"of {', '.join(MODES)}; split is needed")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--val-every", type=int, default=5)
+    ap.add_argument("--task", choices=["default", "agent"], default="default")
+    ap.add_argument("--tool-s", type=float, default=0.5, help="--task agent: seconds a tool call takes")
     ap.add_argument("--work", help="directory for the runs (default: a temporary one)")
     ap.add_argument("--out", help="write every curve and the summary here (JSON)")
     args = ap.parse_args()
@@ -104,30 +112,36 @@ def main() -> None:
     client = MlflowClient(f"sqlite:///{work}/mlflow.db")
 
     # the warm start, once: every run below starts RL from the model it writes
-    rlflow(work, "warm", "trainer.total_steps=1", "trainer.val_every=0", "trainer.val_samples=0")
+    agent = args.task == "agent"
+    conf = [str(ROOT / "conf" / "agent_calc.yaml")] if agent else []
+    rlflow(work, "warm", "trainer.total_steps=1", "trainer.val_every=0", "trainer.val_samples=0", conf=conf)
     warm = work / "warm"
-    data = warm / "embedded" / "data"
+    data = warm / "embedded" / ("calc" if agent else "data")
     common = [f"model.path={warm / 'warmstart'}", f"data.train_files=[{data / 'train.parquet'}]",
               f"data.val_files=[{data / 'val.parquet'}]", "warmstart.steps=0", "warmstart.stop_accuracy=0",
               "trainer.val_samples=0", "trainer.samples_every=0"]
-
-    # the default's phase split (native engine, hybrid): what overlap could give there
-    default = curve(client, rlflow(work, "default_phases", *common, "trainer.total_steps=6", "trainer.val_every=0"))
-    g, s = default["gen_s"], default["step_s"]
-    print(f"embedded default, native engine, hybrid: step {s:.3f} s, generation {g:.3f} s; an overlap could "
-          f"give at most {s / max(g, s - g):.2f}x")
+    if agent:  # the native engine: generation is long through the tool's calls
+        common += ["rollout.env=bench/slow_calc.py:SlowCalculator"]
+    else:  # the default's phase split (native engine, hybrid): what overlap could give there
+        default = curve(client, rlflow(work, "default_phases", *common, "trainer.total_steps=6",
+                                       "trainer.val_every=0"))
+        g, s = default["gen_s"], default["step_s"]
+        print(f"embedded default, native engine, hybrid: step {s:.3f} s, generation {g:.3f} s; an overlap could "
+              f"give at most {s / max(g, s - g):.2f}x")
+        common += ["rollout.backend=hf"]
 
     runs: dict[str, dict[int, dict]] = {m: {} for m in args.modes.split(",")}
     for seed in [int(x) for x in args.seeds.split(",")]:
         for mode in runs:
             extra = MODES[mode]
             name = f"{mode}_seed{seed}"
-            runs[mode][seed] = curve(client, rlflow(work, name, *common, *extra, "rollout.backend=hf",
-                                                    f"trainer.seed={seed}", f"trainer.total_steps={args.steps}",
-                                                    f"trainer.val_every={args.val_every}"))
+            runs[mode][seed] = curve(client, rlflow(work, name, *common, *extra, f"trainer.seed={seed}",
+                                                    f"trainer.total_steps={args.steps}",
+                                                    f"trainer.val_every={args.val_every}", conf=conf,
+                                                    tool_s=args.tool_s if agent else 0.0))
             c = runs[mode][seed]
             print(f"{name}: step {c['step_s']:.3f} s (generation {c['gen_s']:.3f} s), mean staleness "
-                  f"{c['staleness']:.2f}, accuracy "
+                  f"{c['staleness']:.2f}, rows spanning versions {c['partial_rows']:.2f}, accuracy "
                   + " ".join(f"{a:.3f}@{st}" for st, a in c["accuracy"]), flush=True)
 
     best = {seed: max((a + b[1]) / 2 for (_, a), b in zip(c["accuracy"], c["accuracy"][1:]))
