@@ -42,6 +42,7 @@ from engine.reshard import WeightBroadcast
 from engine.rollout.base import SamplingParams
 from engine.rollout.build import build_rollout, weights_dtype
 from engine.rollout.model import TP
+from engine.rollout.native import NativeRollout
 from engine.tensors import left_pad, peak_memory, right_pad
 from engine.train import lora
 from engine.train.fsdp import DTYPES
@@ -64,7 +65,7 @@ class Rollout:
         self.ahead = cfg.trainer.max_staleness > 0  # pushes arrive while generating: staged, taken at a generate
         self.staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None  # (version, tensors) received
         self.lock = threading.Lock()
-        if cfg.trainer.max_staleness >= 2 and r.backend == "native" and self.tp.size == 1:
+        if cfg.trainer.max_staleness >= 2 and isinstance(self.engine, NativeRollout) and self.tp.size == 1:
             self.engine.swap = self._swap  # partial rollouts: pushes land between engine steps
 
     def generate(self, request: RolloutRequest) -> Batch:
