@@ -22,7 +22,8 @@ Invariants:
   oldest. With one step ahead, or another engine, a batch has one version throughout.
 
 Tests: tests/stages/test_policy.py (hybrid), tests/engine/test_reshard.py -k push (the weight
-broadcast), tests/pipelines/test_e2e.py -k split (split placement, same metrics as hybrid).
+broadcast), tests/pipelines/test_e2e.py -k split (split placement, same metrics as hybrid),
+tests/stages/test_rollout.py (a push taken mid-generation, versions per token).
 """
 
 from __future__ import annotations

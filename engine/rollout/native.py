@@ -274,10 +274,10 @@ class NativeRollout:
                 stalled = 0 if admitted or not waiting else stalled + 1
                 self._lap("schedule")
                 stepped = admitted or running
-                version = self.version  # that of the step whose tokens are booked below
+                # the weights version of the step whose tokens are booked below: one launched ahead keeps its own
+                version = self.version if ahead is None else ahead_version
                 if in_graph and not admitted:  # one replay: decode, sample, next inputs
                     # the next step is a decode too unless waiting requests are due a prefill
-                    version = self.version if ahead is None else ahead_version
                     stepped, ahead, tokens_list, logprobs_list = self._sampled_step(
                         running, ahead, generator, then_decode=bool(running) and not due)
                     ahead_version = self.version

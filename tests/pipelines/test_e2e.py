@@ -247,7 +247,6 @@ def test_async_trains_at_most_k_versions_behind_and_resumes_without_skipping_a_p
 DIES_ONCE = """
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
 
 from engine.agents.env import Step
