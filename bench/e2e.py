@@ -1,11 +1,18 @@
 """End-to-end GRPO step: rlflow's real pipeline against TRL's GRPOTrainer, side by side, same settings.
 
     python bench/e2e.py --shape qwen2.5-0.5b,qwen2.5-1.5b        # one H200: the headline numbers
+    python bench/e2e.py --shape qwen2.5-0.5b --lengths fixed,mix   # both shapes of work, side by side
     python bench/e2e.py --shape tiny --prompts 4 --samples 2 --prompt-len 16 --new 8 --steps 3 --warmup 1  # CPU smoke
 
-One step, in both frameworks: `--prompts` prompts x `--samples` samples at temperature 1, each
-prompt exactly `--prompt-len` tokens and each completion exactly `--new` tokens (the EOS token
-lies outside the model's vocabulary, so it is never sampled), scored by the one reward in
+One step, in both frameworks: `--prompts` prompts x `--samples` samples at temperature 1, in one of
+two shapes of work (`--lengths`):
+- `fixed`: each prompt exactly `--prompt-len` tokens and each completion exactly `--new` tokens
+  (the EOS token lies outside the model's vocabulary, so it is never sampled);
+- `mix`: real work's shape (bench/length_mix.py): prompt lengths drawn log-normally up to
+  `--prompt-len`, and each answer ending (EOS inside the vocabulary) at a length drawn per prompt
+  and sample up to `--new`, forced the same way in both frameworks; the bench checks that each
+  logged the drawn prompt and answer tokens.
+Each is scored by the one reward in
 `bench/e2e_reward.py`, group-normalised advantages, one PPO epoch in one mini-batch (one optimizer
 step per generation batch), token-mean PPO-clip loss (TRL's `dapo`), no KL and no reference model
 (TRL `beta=0`), the same constant lr, bf16 weights on the GPU (fp32 on CPU). Random weights in a
@@ -45,11 +52,13 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
+from length_mix import Mix, answer_length, force_ends, hook_dir, mean_answer, prompt_lengths
 from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,10 +82,11 @@ TRL_MODES: dict[str, dict[str, Any]] = {
 
 # -- inputs: one model directory and one prompt file for both frameworks ---------------------
 
-def build_tokenizer(vocab: int):
+def build_tokenizer(vocab: int, eos_inside: bool = False):
     """A byte-level BPE tokenizer whose tokens cover every model id: the 256 byte symbols, then " a"
     .. " zzz" and as many 4-letter words " aaaa", " aaab", .. as fit, then pad. EOS gets id `vocab`,
-    outside the model's logits, so neither framework samples it and every completion runs full length.
+    outside the model's logits, so neither framework samples it and every completion runs full length;
+    with `eos_inside`, id `vocab - 2`, before pad, where a forced end can pick it.
 
     Built as the Qwen2 tokenizer class that transformers 5 loads for any qwen2 model directory
     whatever the file says, so both frameworks tokenize alike; a word with a leading space is one token."""
@@ -85,12 +95,14 @@ def build_tokenizer(vocab: int):
 
     words = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     merges = []
+    first_special = vocab - 2 if eos_inside else vocab - 1
     for n in range(1, 5):
-        for letters in itertools.islice(itertools.product(string.ascii_lowercase, repeat=n), vocab - 1 - len(words)):
+        for letters in itertools.islice(itertools.product(string.ascii_lowercase, repeat=n),
+                                        first_special - len(words)):
             word = "\u0120" + "".join(letters)  # the byte-level symbol of a space
             words[word] = len(words)
             merges.append((word[:-1], word[-1]))
-    words |= {"<pad>": vocab - 1, "<eos>": vocab}
+    words |= {"<pad>": vocab - 1, "<eos>": first_special if eos_inside else vocab}
     tok = Qwen2Tokenizer(vocab=words, merges=merges, unk_token="<eos>", eos_token="<eos>", pad_token="<pad>")
     tok.padding_side = "left"
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # rlflow templates; TRL does not
@@ -100,19 +112,21 @@ def build_tokenizer(vocab: int):
 def build_inputs(root: Path, shape: str, args: argparse.Namespace, dtype: torch.dtype,
                  device: str = "cpu") -> tuple[Path, Path, Path]:
     """(model dir, train prompts, validation prompt): random weights, and prompts of exactly
-    `--prompt-len` tokens through both frameworks' paths (plain tokenizer and rlflow's template).
-    The weights are drawn on `device` (the CPU keeps this process free of a CUDA context, but
-    takes minutes for a 7B shape)."""
+    `--prompt-len` tokens (with `args.mix`, of the drawn lengths) through both frameworks' paths
+    (plain tokenizer and rlflow's template). The weights are drawn on `device` (the CPU keeps this
+    process free of a CUDA context, but takes minutes for a 7B shape)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2Config
 
     vocab = SHAPES[shape]["vocab_size"]
-    tok = build_tokenizer(vocab)
+    mix = getattr(args, "mix", None)
+    tok = build_tokenizer(vocab, eos_inside=mix is not None)
+    eos = tok.eos_token_id if mix else None
     cfg = Qwen2Config(**SHAPES[shape], max_position_embeddings=max(4096, args.prompt_len + args.new),
-                      eos_token_id=None, bos_token_id=None, pad_token_id=tok.pad_token_id)
+                      eos_token_id=eos, bos_token_id=None, pad_token_id=tok.pad_token_id)
     torch.manual_seed(args.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(pad_token_id=tok.pad_token_id, eos_token_id=eos)
     model_dir = root / "model"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
@@ -122,14 +136,16 @@ def build_inputs(root: Path, shape: str, args: argparse.Namespace, dtype: torch.
     tok = AutoTokenizer.from_pretrained(model_dir)  # check what both frameworks will load
     rng = random.Random(args.seed)
     first = tok.convert_tokens_to_ids("\u0120aaaa")  # the first 4-letter word: one token each
-    word = lambda: tok.convert_ids_to_tokens(rng.randrange(first, vocab - 1))[1:]  # noqa: E731
-    texts = ["".join(" " + word() for _ in range(args.prompt_len)) for _ in range(args.prompts + 1)]
-    for text in texts:
+    word = lambda: tok.convert_ids_to_tokens(rng.randrange(first, min(vocab - 1, tok.eos_token_id)))[1:]  # noqa: E731
+    count = args.prompts + 1
+    lengths = prompt_lengths(count, args.prompt_len, args.seed) if mix else [args.prompt_len] * count
+    texts = ["".join(" " + word() for _ in range(n)) for n in lengths]
+    for text, n in zip(texts, lengths):
         templated = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=False)
-        lengths = {len(tok(t, add_special_tokens=add)["input_ids"]) for t in (text, templated) for add in (False, True)}
-        if lengths != {args.prompt_len} or tok.decode(tok(text)["input_ids"]) != text:
-            raise SystemExit(f"a prompt tokenizes to {lengths} tokens, not {args.prompt_len}")
+        got = {len(tok(t, add_special_tokens=add)["input_ids"]) for t in (text, templated) for add in (False, True)}
+        if got != {n} or tok.decode(tok(text)["input_ids"]) != text:
+            raise SystemExit(f"a prompt tokenizes to {got} tokens, not {n}")
     rows = [{"prompt": t, "data_source": "e2e", "reward_model": {"ground_truth": ""}} for t in texts]
     files = root / "train.jsonl", root / "val.jsonl"
     for path, part in zip(files, (rows[:-1], rows[-1:])):
@@ -274,6 +290,8 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
     print("  rlflow settings (non-default):", ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
     uri = tracking_uri(work)
     env = child_env(MLFLOW_TRACKING_URI=uri, MLFLOW_ALLOW_FILE_STORE="true")
+    if args.mix:  # the engine's sequences end at the drawn lengths, in every process of the job
+        env.update(hook_dir(work / "length_mix_hook", args.mix)[1])
     with DevicePeak() as peak:
         rc, tail = run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf)], work / "rlflow.log", env)
     if rc:
@@ -319,7 +337,7 @@ def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train:
         result = work / f"trl_{mode}_result.json"
         kwargs = trl_kwargs(args, cuda, mode, micro, work / f"trl_{mode}_out")
         spec.write_text(json.dumps({"model": str(model), "train": str(train), "kwargs": kwargs,
-                                    "result": str(result)}))
+                                    "result": str(result), "mix": args.mix and asdict(args.mix)}))
         print(f"  TRL {mode}: micro-batch {micro} x {batch // micro} accumulation steps; GRPOConfig "
               + ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "output_dir"), flush=True)
         with DevicePeak() as peak:
@@ -349,6 +367,7 @@ def trl_worker(spec_path: str) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     spec = json.loads(Path(spec_path).read_text())
+    mix = spec["mix"] and Mix(**spec["mix"])
     gens: list[dict[str, float]] = []
 
     class TimedGRPOTrainer(GRPOTrainer):
@@ -362,7 +381,7 @@ def trl_worker(spec_path: str) -> None:
             sync()
             prompt_ids, completion_ids = out[0], out[1]
             lengths = {"prompt": {len(p) for p in prompt_ids}, "completion": {len(c) for c in completion_ids}}
-            if any(len(v) != 1 for v in lengths.values()):
+            if not mix and any(len(v) != 1 for v in lengths.values()):
                 raise RuntimeError(f"TRL generated uneven lengths: {lengths}")
             gens.append({"gen_s": time.perf_counter() - start, "n": len(completion_ids),
                          "prompt_len": sum(map(len, prompt_ids)) / len(prompt_ids),
@@ -384,10 +403,14 @@ def trl_worker(spec_path: str) -> None:
 
     texts = [json.loads(line)["prompt"] for line in Path(spec["train"]).read_text().splitlines()]
     timer = StepTimer()
+    tok = AutoTokenizer.from_pretrained(spec["model"])
     trainer = TimedGRPOTrainer(model=spec["model"], reward_funcs=[trl_reward], args=GRPOConfig(**spec["kwargs"]),
-                               train_dataset=Dataset.from_dict({"prompt": texts}),
-                               processing_class=AutoTokenizer.from_pretrained(spec["model"]), callbacks=[timer])
+                               train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok,
+                               callbacks=[timer])
+    forced = force_ends(trainer.model, mix, tok.eos_token_id, tok.pad_token_id) if mix else None
     trainer.train()
+    if forced is not None and len(forced) != len(gens):
+        raise SystemExit(f"the forced ends were applied in {len(forced)} of {len(gens)} generations")
     if len(gens) != len(timer.seconds):
         raise SystemExit(f"TRL generated {len(gens)} times in {len(timer.seconds)} optimizer steps; expected one each")
     steps = [dict(g, step_s=s) for g, s in zip(gens, timer.seconds)]
@@ -397,11 +420,22 @@ def trl_worker(spec_path: str) -> None:
 
 # -- report ------------------------------------------------------------------------------------
 
-def check_lengths(rows: list[dict], args: argparse.Namespace) -> None:
-    """Both frameworks did the same work: every prompt and every completion at full length."""
+def check_lengths(rows: list[dict], args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    """Both frameworks did the same work: every prompt and every completion at full length, or, on
+    the length mix, at the drawn lengths (every step runs every prompt; an answer may still end
+    earlier on a sampled EOS, about one token in the vocabulary size: 1% is allowed)."""
     for r in rows:
         print(f"  {r['framework']} {r['mode']}: mean prompt length per step {r['prompt_len']}, "
               f"mean completion length per step {r['completion_len']}")
+        if args.mix:
+            want_p, want_c = sum(map(len, prompts)) / len(prompts), mean_answer(args.mix, prompts, args.samples)
+            longest = max(answer_length(args.mix, p, j) for p in prompts for j in range(args.samples))
+            print(f"    drawn: mean prompt length {want_p:.2f}, mean completion length {want_c:.2f}, longest "
+                  f"{longest}")
+            if any(abs(p - want_p) > 1e-6 for p in r["prompt_len"]) or \
+                    any(not 0.99 * want_c <= c <= want_c + 1e-6 for c in r["completion_len"]):
+                raise SystemExit(f"{r['framework']} ({r['mode']}) did not run the drawn lengths")
+            continue
         if set(r["prompt_len"]) != {args.prompt_len} or set(r["completion_len"]) != {args.new}:
             raise SystemExit(f"{r['framework']} ({r['mode']}) did not run {args.prompt_len}-token prompts to "
                              f"{args.new}-token completions: prompts {r['prompt_len']}, "
@@ -410,30 +444,40 @@ def check_lengths(rows: list[dict], args: argparse.Namespace) -> None:
 
 def table(rows: list[dict]) -> str:
     gib = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
-    lines = ["| shape | framework | mode | micro-batch | step s | gen s | train s | tok/s/GPU | peak GiB (device) "
-             "| alloc GiB | rlflow / best TRL |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | lengths | framework | mode | micro-batch | step s | gen s | train s | tok/s/GPU "
+             "| peak GiB (device) | alloc GiB | rlflow / best TRL |", "|---" * 12 + "|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['framework']} | {r['mode']} | {r['micro_batch']} | {r['step_s']:.3f} | "
+        lines.append(f"| {r['shape']} | {r['lengths']} | {r['framework']} | {r['mode']} | {r['micro_batch']} | "
+                     f"{r['step_s']:.3f} | "
                      f"{r['gen_s']:.3f} | {r['train_s']:.3f} | {r['tok_s_gpu']:,.0f} | {gib(r['peak_gib'])} | "
                      f"{gib(r['alloc_gib'])} | {r.get('ratio', '')} |")
     return "\n".join(lines)
 
 
-def bench_shape(shape: str, args: argparse.Namespace, cuda: bool) -> list[dict]:
+def bench_shape(shape: str, lengths: str, args: argparse.Namespace, cuda: bool) -> list[dict]:
     dtype = torch.bfloat16 if cuda else torch.float32
+    args = argparse.Namespace(**vars(args), mix=Mix(args.seed, args.new) if lengths == "mix" else None)
     with tempfile.TemporaryDirectory(prefix=f"e2e_{shape}_") as tmp:
         work = Path(tmp)
         model, train, val = build_inputs(work, shape, args, dtype, "cuda" if cuda and args.init_on_gpu else "cpu")
-        print(f"{shape}: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} -> {args.new} tokens, "
-              f"{dtype}, {args.steps} steps ({args.warmup} warm-up), work dir {work}", flush=True)
+        print(f"{shape}, {lengths} lengths: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} -> "
+              f"{args.new} tokens{' at most' if args.mix else ''}, {dtype}, {args.steps} steps ({args.warmup} "
+              f"warm-up), work dir {work}", flush=True)
         rows = [run_rlflow(args, cuda, model, train, val, work)]
         rows += [run_trl(args, cuda, mode, model, train, work) for mode in args.trl_modes]
-        check_lengths(rows, args)
+        check_lengths(rows, args, train_prompt_ids(model, train))
     best = max((r["tok_s_gpu"] for r in rows if r["framework"] == "TRL"), default=None)
     for r in rows:
-        r["shape"] = shape
+        r["shape"], r["lengths"] = shape, lengths
         r["ratio"] = f"{r['tok_s_gpu'] / best:.2f}x" if best and r["framework"] == "rlflow" else ""
     return rows
+
+
+def train_prompt_ids(model: Path, train: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return [tok(json.loads(line)["prompt"])["input_ids"] for line in train.read_text().splitlines()]
 
 
 def main() -> None:
@@ -442,7 +486,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64, help="prompts per step")
     ap.add_argument("--samples", type=int, default=8, help="samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new", type=int, default=256, help="tokens per completion (EOS never sampled)")
+    ap.add_argument("--new", type=int, default=256, help="tokens per completion (EOS never sampled); the mix's cap")
+    ap.add_argument("--lengths", default="fixed", help="comma list of fixed | mix (bench/length_mix.py)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--lr", type=float, default=1e-6)
@@ -465,13 +510,16 @@ def main() -> None:
         return trl_worker(args.trl_worker)
     shapes = [s for arg in args.shape or ["qwen2.5-0.5b,qwen2.5-1.5b"] for s in arg.split(",") if s]
     args.trl_modes = [m for m in args.trl_modes.split(",") if m]
-    unknown = set(shapes) - set(SHAPES) | set(args.trl_modes) - set(TRL_MODES)
+    args.lengths = [m for m in args.lengths.split(",") if m]
+    unknown = set(shapes) - set(SHAPES) | set(args.trl_modes) - set(TRL_MODES) | set(args.lengths) - {"fixed", "mix"}
     if unknown:
         raise SystemExit(f"unknown shape or TRL mode: {sorted(unknown)}")
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     cuda = torch.cuda.is_available()
-    rows = [r for shape in shapes for r in bench_shape(shape, args, cuda)]
+    if "mix" in args.lengths and "cb" in args.trl_modes:
+        raise SystemExit("TRL's cb mode (generate_batch) takes no logits processor: the mix cannot force its ends")
+    rows = [r for shape in shapes for lengths in args.lengths for r in bench_shape(shape, lengths, args, cuda)]
     print("\n" + table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
