@@ -279,8 +279,9 @@ class GRPO:
             try:
                 generated = wait(self.queued[0], SUBMIT, stages.timeout)
                 break
-            except WORKER_LOST as e:
-                self._rebuild_rollout(stages, e, [r for refs in self.queued for r in refs])
+            except WORKER_LOST as e:  # a batch past the step timeout: the pool hangs, though it may answer
+                self._rebuild_rollout(stages, e, [r for refs in self.queued for r in refs],
+                                      hung=isinstance(e, TimeoutError))
         self.queued.popleft()
         loader.next_batch()
         score = stages.reward.bound(SUBMIT)
@@ -306,13 +307,15 @@ class GRPO:
         except (*WORKER_LOST, ray.exceptions.RayTaskError) as e:  # a push to a dead rank fails on the trainer
             self._rebuild_rollout(stages, e, push + [r for refs in self.queued for r in refs])
 
-    def _rebuild_rollout(self, stages: Stages, e: Exception, lost: list[Any]) -> None:
+    def _rebuild_rollout(self, stages: Stages, e: Exception, lost: list[Any], hung: bool = False) -> None:
         """Generating ahead, a rollout worker that died or hangs is replaced while the trainer goes on:
         a new pool takes the trainer's current weights and generates the queued steps again. Any
         other loss, or more than `trainer.max_restarts` of these, goes to the driver (`e` raised),
-        which rebuilds every worker from the last checkpoint. `lost`: the calls given up on."""
+        which rebuilds every worker from the last checkpoint. `lost`: the calls given up on; `hung`:
+        the pool's generation ran past the step timeout (a worker stuck in a call still answers
+        `alive` on its second thread, so only a dead or stopped one is found by asking)."""
         limit = self.cfg.trainer.max_restarts
-        if self.rollout_rebuilds >= limit or not rollout_lost(stages):
+        if self.rollout_rebuilds >= limit or not (hung or rollout_lost(stages)):
             raise e
         self.rollout_rebuilds += 1
         print(f"rlflow: a rollout worker {how_lost(e, self.cfg.trainer.step_timeout_s)} ({type(e).__name__}); "

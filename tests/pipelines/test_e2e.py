@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import json
 import os
 import re
 import shutil
@@ -215,81 +214,6 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
     after = {k: dict(v) for k, v in steady_history(tmp_path).items()}
     assert after["rollout/weight_version"][4] == 3  # the checkpoint's version, pushed at load
     assert after["training/rollout_probs_diff_max"][4] < 1e-4  # and its weights, not the initial ones
-
-
-def test_async_trains_at_most_k_versions_behind_and_resumes_without_skipping_a_prompt(tmp_path):
-    """trainer.max_staleness=1: the rollout pool generates step t+1 while the trainer updates on
-    step t, so from the second step every batch is one weight version old, never more; a checkpoint
-    holds the loader where a synchronous run's is, and the resumed run (k=2 now: two steps queued
-    ahead) generates the batches that were in flight again, from the checkpoint's weights, and
-    trains none more than two versions old."""
-    ahead = ("placement.own_pool=[rollout]", "trainer.val_every=0", "algorithm.rollout_correction=token_tis")
-    rlflow(tmp_path, "out", *ahead, "trainer.max_staleness=1", "trainer.total_steps=4", "trainer.save_every=2")
-    client, run = only_run(tmp_path)
-    got = history(client, run.info.run_id)
-    assert got["async/staleness/max"] == [(1, 0.0), (2, 1.0), (3, 1.0), (4, 1.0)]
-    assert got["rollout/weight_version"] == [(1, 0.0), (2, 0.0), (3, 1.0), (4, 2.0)]
-    assert got["training/rollout_probs_diff_max"][1][1] > 1e-4  # the gap a version makes, corrected
-    assert got["rollout_correction/mismatch_kl"][1][1] > 0
-
-    state = json.loads((tmp_path / "out" / "checkpoints" / "step_000004" / "driver.json").read_text())
-    assert state["loader"] == {"epoch": 0, "position": 4 * 8, "seed": 0}  # 4 steps of 8 prompts, not 5
-
-    resumed = rlflow(tmp_path, "out", *ahead, "trainer.max_staleness=2", "trainer.total_steps=7")
-    assert "at step 4" in resumed.stdout
-    after = dict(history(client, run.info.run_id)["async/staleness/max"])
-    assert after[5] == 0.0 and after[6] == 1.0  # regenerated from the checkpoint's weights, then one behind
-    assert after[7] in (1.0, 2.0)  # queued two steps ahead: the version depends on when the pool started it
-    state = json.loads((tmp_path / "out" / "checkpoints" / "step_000007" / "driver.json").read_text())
-    assert state["loader"]["position"] == 7 * 8
-
-
-DIES_ONCE = """
-import os
-import signal
-from pathlib import Path
-
-from engine.agents.env import Step
-
-HERE = Path(__file__).parent
-
-
-class DiesOnce:
-    \"\"\"One turn, scored on the task's answer; once `kill` exists, the first episode kills its worker.\"\"\"
-
-    def __init__(self, prompt):
-        self.truth = prompt.ground_truth
-        if (HERE / "kill").exists() and not (HERE / "killed").exists():
-            (HERE / "killed").touch()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def step(self, response):
-        return Step(None, float(response.strip() == self.truth), True)
-"""
-
-
-def test_async_rebuilds_a_dead_rollout_worker_while_training_goes_on(tmp_path):
-    """Generating ahead, a rollout worker killed mid-generation (by its environment, so the fault
-    lands in the rollout pool's process) is replaced by a new pool holding the trainer's current
-    weights; the trainer's workers are never restarted and every step trains once."""
-    (tmp_path / "dies_once.py").write_text(DIES_ONCE)
-    args = [str(BIN / "rlflow"), "train", f"trainer.output_dir={tmp_path}/out", "placement.own_pool=[rollout]",
-            "trainer.max_staleness=1", "algorithm.rollout_correction=token_tis", "trainer.val_every=0",
-            f"rollout.env={tmp_path / 'dies_once.py'}:DiesOnce", "rollout.max_turns=1", "rollout.episode_tokens=8",
-            "trainer.total_steps=6", "trainer.save_every=2", "trainer.max_restarts=1", "trainer.step_timeout_s=60",
-            "warmstart.steps=0"]
-    returncode, output = fault_after_step_2(tmp_path, args, lambda proc: (tmp_path / "kill").touch())
-    assert returncode == 0, output[-3000:]
-    assert (tmp_path / "killed").exists()
-    assert "a rollout worker died" in output and "new rollout pool 1/1" in output, output[-3000:]
-    assert "restart 1/1" not in output
-    client, run = only_run(tmp_path)
-    got = history(client, run.info.run_id)
-    assert "trainer/restarts" not in got
-    assert got["async/rollout_rebuilds"][-1] == (6, 1.0)
-    assert [s for s, _ in got["actor/pg_loss"]] == [1, 2, 3, 4, 5, 6]
-    rebuilt = next(s for s, n in got["async/rollout_rebuilds"] if n == 1.0)
-    assert dict(got["async/staleness/max"])[rebuilt] == 0.0  # regenerated from the trainer's weights of that step
 
 
 LORA = ["actor.lora_rank=8", "actor.lr=5e-3", "actor.kl_loss_coef=0.05"]  # adapters, the base as the reference
