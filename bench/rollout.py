@@ -2,6 +2,7 @@
 
     python bench/rollout.py --shape qwen2.5-0.5b --seqs 256 --prompt 128 --new 256
     python bench/rollout.py --shape qwen2.5-7b --native bf16,fp8 --hf-cache none --gap 32
+    python bench/rollout.py --shape qwen2.5-0.5b --seqs 1024 --samples 8 --prompt 256 --new 256 --lengths mix
 
 Random weights in the given model shape (no download), bf16 on the GPU (fp32 on CPU), random
 prompt tokens, sampling at temperature 1, EOS ignored (`--new` tokens for every sequence, so
@@ -11,11 +12,20 @@ warm up (for native on CUDA that call also captures the decode graphs), then `--
 run every engine once each, interleaved so host drift hits all alike (median and range). HF
 runs with its dynamic and its static cache (`--hf-cache`). A last, synchronized run of each
 native engine gives the per-phase breakdown; the roofline is decode's bytes (weights + the KV
-each step reads) over the HBM bandwidth, measured in the same run by a 1 GiB device copy
-(`--hbm-tbps` overrides it). It ignores arithmetic, of the same order at 7B and 256 rows in bf16
-(an estimate: 2 x 7.6e9 x 256 FLOPs a step at ~790 TFLOP/s is ~4.9 ms, the weights' bytes ~3.8
-ms). `--gap N`: each native engine's logprobs of N sampled sequences against a bf16 training
-forward (the HF model) over the same tokens.
+each step reads, and the step's logits, written and read once in fp32) over the HBM bandwidth,
+measured in the same run by a 1 GiB device copy (`--hbm-tbps` overrides it). It ignores
+arithmetic, of the same order at 7B and 256 rows in bf16 (an estimate: 2 x 7.6e9 x 256 FLOPs a
+step at ~790 TFLOP/s is ~4.9 ms, the weights' bytes ~3.8 ms). `--gap N`: each native engine's
+logprobs of N sampled sequences against a bf16 training forward (the HF model) over the same
+tokens.
+
+`--samples k` generates k samples of each of `--seqs / k` prompts, sharing each prompt's prefill
+as GRPO does. `--lengths mix` runs the length mix of bench/e2e.py (bench/length_mix.py): prompt
+lengths drawn up to `--prompt`, each answer ending at its drawn length up to `--new` (the native
+engines only: transformers' generate cannot end rows at their own lengths here), and reports the
+step's generation floor (on CUDA): the prefill of its prompts as the engine runs it alone (a
+call for one new token each), plus its longest answer's decode steps at one read of the weights
+each. A long tail holds a step: the rows finish one by one while the longest keeps decoding.
 """
 
 from __future__ import annotations
@@ -23,12 +33,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
+from length_mix import Mix, answer_length, patch_native, prompt_lengths
 from shapes import QWEN25, TINY, copy_tbps, endless_model, sync  # bench/shapes.py (bench/ is sys.path[0])
 from transformers import Qwen2Config
 
 from engine.rollout import fp8
+from engine.rollout import native as native_module
 from engine.rollout.base import HFRollout, SamplingParams
 from engine.rollout.model import NativeCausalLM
 from engine.rollout.native import NativeRollout
@@ -49,9 +62,11 @@ def timed(engine, prompts, params) -> tuple[float, int]:
 
 def roofline(cfg: Qwen2Config, weight_bytes: int, seqs: int, prompt: int, new: int, kv_itemsize: int,
              tbps: float) -> float:
-    """Decode tokens/s if every step only read the weights and the live KV once from HBM."""
+    """Decode tokens/s if every step only read the weights and the live KV once from HBM, and wrote
+    and read its logits once (fp32: at 1,024 rows and a 152k vocabulary, 0.6 GB each way)."""
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    step_bytes = weight_bytes + kv_itemsize * seqs * (prompt + new / 2) * kv_per_token
+    logits_bytes = 2 * 4 * seqs * cfg.vocab_size
+    step_bytes = weight_bytes + kv_itemsize * seqs * (prompt + new / 2) * kv_per_token + logits_bytes
     return seqs * tbps * 1e12 / step_bytes
 
 
@@ -95,6 +110,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=1, help="samples per prompt (one prefill each prompt)")
+    ap.add_argument("--lengths", default="fixed", choices=["fixed", "mix"])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
@@ -109,8 +126,19 @@ def main() -> None:
     # no EOS: every sequence generates exactly --new tokens in both engines
     hf_model, tok = endless_model(SHAPES[args.shape], device, dtype)
     cfg = hf_model.config
-    prompts = torch.randint(100, cfg.vocab_size, (args.seqs, args.prompt)).tolist()
-    params = SamplingParams(temperature=1.0, max_new_tokens=args.new, seed=0)
+    if args.seqs % args.samples:
+        raise SystemExit(f"--samples {args.samples} must divide --seqs {args.seqs}")
+    count = args.seqs // args.samples
+    mix = Mix(seed=0, new=args.new) if args.lengths == "mix" else None
+    lengths = prompt_lengths(count, args.prompt, seed=0) if mix else [args.prompt] * count
+    prompts = [torch.randint(100, cfg.vocab_size, (n,)).tolist() for n in lengths]
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new, n=args.samples, seed=0)
+    if mix:  # every native engine's sequences end at their drawn lengths; hf's could not
+        patch_native(native_module, mix)
+        args.hf_cache = "none"
+        answers = [answer_length(mix, p, j) for p in prompts for j in range(args.samples)]
+        print(f"length mix: prompts {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / count:.0f}), "
+              f"answers {min(answers)}-{max(answers)} (mean {sum(answers) / len(answers):.0f})")
     natives = {}  # "native" alone keeps the name earlier logs used
     for kind in args.native.split(","):
         weights = {"bf16": None, "fp8": fp8.FP8}[kind]
@@ -120,13 +148,16 @@ def main() -> None:
     engines: dict = dict(natives)
     for cache in filter(lambda c: c in ("dynamic", "static"), args.hf_cache.split(",")):
         engines[f"hf {cache}"] = HFRollout(hf_model, tok, cache_implementation=cache)
-    print(f"{args.shape}, {args.seqs} seqs x ({args.prompt} -> {args.new}), {dtype}, "
+    print(f"{args.shape}, {count} prompts x {args.samples} samples ({args.prompt} -> {args.new}"
+          f"{', at most' if mix else ''}), {dtype}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
     warm = {name: timed(engine, prompts, params)[0] for name, engine in engines.items()}  # first calls: slow
     runs: dict[str, list[tuple[float, int]]] = {name: [] for name in engines}
     for _ in range(args.repeats):  # rounds: every engine once, so host drift hits all alike
         for name, engine in engines.items():
             runs[name].append(timed(engine, prompts, params))
+    if mix and any(n != sum(answers) for name in natives for _, n in runs[name]):
+        raise SystemExit(f"the native engines did not generate the drawn {sum(answers)} tokens: {runs}")
     results = {}
     for name in engines:
         rates = [n / s for s, n in runs[name]]
@@ -157,7 +188,15 @@ def main() -> None:
               f"{gap.mean():.2e}, p99 {gap.quantile(0.99):.2e}, max {gap.max():.2e}", flush=True)
     if device == "cuda":
         tbps = args.hbm_tbps or copy_tbps()
-        for name, native in natives.items():
+        for name, native in natives.items() if mix else ():
+            weight_bytes = sum(p.numel() * p.element_size() for p in native.model.parameters())
+            prefill = statistics.median(timed(native, prompts, replace(params, max_new_tokens=1))[0] for _ in range(3))
+            floor = prefill + max(answers) * weight_bytes / (tbps * 1e12)
+            gen = statistics.median(s for s, _ in runs[name])
+            print(f"  {name}: generation {gen:.3f} s against a floor of {floor:.3f} s ({gen / floor:.2f}x): prefill "
+                  f"alone {prefill:.3f} s + {max(answers)} decode steps at {weight_bytes / 1e9:.2f} GB of weights "
+                  f"a step, {tbps:.2f} TB/s", flush=True)
+        for name, native in natives.items() if not mix else ():
             weight_bytes = sum(p.numel() * p.element_size() for p in native.model.parameters())
             peak = roofline(cfg, weight_bytes, args.seqs, args.prompt, args.new, dtype.itemsize, tbps)
             print(f"  HBM {tbps:.2f} TB/s ({'given' if args.hbm_tbps else 'measured: 1 GiB device copy'}); {name}: "
