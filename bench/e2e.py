@@ -21,6 +21,11 @@ Qwen2.5 shape (bench/shapes.py) and a byte-level BPE tokenizer whose tokens cove
 
 - rlflow: the real job, `python -m pipelines.cli train <generated yaml>` (Ray, compiled DAG,
   MLflow), then the per-step metrics read back from its MLflow store (`timing_s/*`, `perf/*`).
+- `--variant NAME:SETTINGS` (repeatable): rlflow jobs of their own, side by side, each with its
+  settings over `--rlflow-set`'s (e.g. a rollout pool of its own generating one step ahead, or two
+  data-parallel ranks), reported against the first: step rate and tokens/s/GPU (over the GPUs the
+  job's pools take), the mean weight-version staleness of its samples, each GPU's busy share over
+  the timed steps (nvidia-smi's utilization, polled), and the peak memory of each phase.
 - TRL: `GRPOTrainer` in its own process (separate CUDA state and peak memory), transformers
   `generate` (no vLLM), one process per `--trl-modes` entry: `default` is TRL's defaults,
   `fast` the fastest knobs that need no extra package (see TRL_MODES). Its micro-batch starts at
@@ -156,35 +161,37 @@ def build_inputs(root: Path, shape: str, args: argparse.Namespace, dtype: torch.
 # -- measurement helpers ---------------------------------------------------------------------
 
 class DevicePeak:
-    """Peak memory in use on GPU 0 (NVML, via nvidia-smi) while a child process runs: one measure for
-    both frameworks, whose processes (Ray workers included) this one cannot look into."""
+    """Memory in use and busy time of every GPU (NVML, via nvidia-smi, twice a second) while a child
+    process runs: one measure for both frameworks, whose processes (Ray workers included) this one
+    cannot look into. `gib`: the highest any one GPU reached; `busy(t0, t1)`: each GPU's mean
+    utilization (the share of time a kernel ran) between two wall-clock times."""
 
     def __init__(self) -> None:
-        self.peak_mib: float | None = None
+        self.samples: list[tuple[float, list[tuple[float, float]]]] = []  # (time, [(MiB used, util %) per GPU])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     @staticmethod
-    def used_mib() -> float | None:
+    def read() -> list[tuple[float, float]] | None:
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                                 capture_output=True, text=True, timeout=10).stdout
-            return float(out.strip())
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,utilization.gpu",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+            return [(float(used), float(util)) for used, util in (line.split(",") for line in out.strip().splitlines())]
         except (OSError, ValueError, subprocess.TimeoutExpired):
             return None
 
     def _poll(self) -> None:
         while not self._stop.wait(0.5):
-            used = self.used_mib()
-            if used is None:
+            got = self.read()
+            if got is None:
                 return
-            self.peak_mib = max(self.peak_mib or 0.0, used)
+            self.samples.append((time.time(), got))
 
     def __enter__(self) -> DevicePeak:
         if torch.cuda.is_available():
-            # the previous job's processes (Ray workers) may still be exiting: let them free the GPU first
+            # the previous job's processes (Ray workers) may still be exiting: let them free the GPUs first
             deadline = time.monotonic() + 60
-            while (self.used_mib() or 0.0) > 2048 and time.monotonic() < deadline:
+            while max(used for used, _ in self.read() or [(0.0, 0.0)]) > 2048 and time.monotonic() < deadline:
                 time.sleep(1)
             self._thread.start()
         return self
@@ -196,7 +203,12 @@ class DevicePeak:
 
     @property
     def gib(self) -> float | None:
-        return None if self.peak_mib is None else self.peak_mib / 1024
+        used = [mib for _, gpus in self.samples for mib, _ in gpus]
+        return max(used) / 1024 if used else None
+
+    def busy(self, t0: float, t1: float) -> list[float]:
+        inside = [gpus for t, gpus in self.samples if t0 <= t <= t1]
+        return [statistics.mean(g[i][1] for g in inside) / 100 for i in range(len(inside[0]))] if inside else []
 
 
 def run_logged(cmd: list[str], log: Path, env: dict[str, str]) -> tuple[int, str]:
@@ -214,19 +226,21 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
 
 
-def summarise(steps: list[dict[str, float]], warmup: int) -> dict[str, Any]:
+def summarise(steps: list[dict[str, float]], warmup: int, gpus: int = 1) -> dict[str, Any]:
     """Medians over the steps after warm-up, and what every step generated."""
     timed = steps[warmup:]
     med = lambda f: statistics.median(f(s) for s in timed)  # noqa: E731
-    return {"step_s": med(lambda s: s["step_s"]), "gen_s": med(lambda s: s["gen_s"]),
-            "train_s": med(lambda s: s["step_s"] - s["gen_s"]), "tok_s_gpu": med(lambda s: s["tokens"] / s["step_s"]),
+    return {"step_s": med(lambda s: s["step_s"]), "gen_s": med(lambda s: s["gen_s"]), "gpus": gpus,
+            "train_s": med(lambda s: s["step_s"] - s["gen_s"]),
+            "tok_s_gpu": med(lambda s: s["tokens"] / s["step_s"] / gpus),
             "completion_len": [s["completion_len"] for s in steps], "prompt_len": [s["prompt_len"] for s in steps],
             "steps": steps}
 
 
 # -- rlflow: the real job, read back from MLflow ---------------------------------------------
 
-def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, val: Path, out: Path) -> dict:
+def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, val: Path, out: Path,
+                variant: list[str] = (), experiment: str = EXPERIMENT) -> dict:
     gpu = dict(placement=dict(gpus_per_worker=1), model=dict(dtype="bfloat16"), rollout=dict(dtype="bfloat16"))
     conf = {
         "model": dict(path=str(model)),
@@ -238,12 +252,12 @@ def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, 
         "reward": dict(function=f"{BENCH / 'e2e_reward.py'}:rlflow_score"),
         # validation only at the end (it always runs there), greedy, on one prompt
         "trainer": dict(total_steps=args.steps, val_every=0, val_samples=0, samples_every=0, output_dir=str(out),
-                        experiment=EXPERIMENT, resume="never", max_restarts=0, progress=False, seed=args.seed,
+                        experiment=experiment, resume="never", max_restarts=0, progress=False, seed=args.seed,
                         log_checkpoint=False),  # the final checkpoint is saved, not copied into the run
     }
     for section, values in (gpu if cuda else {}).items():
         conf.setdefault(section, {}).update(values)
-    for item in getattr(args, "rlflow_set", None) or []:  # --rlflow-set section.key=value
+    for item in [*(getattr(args, "rlflow_set", None) or []), *variant]:  # --rlflow-set, then the variant's
         key, _, value = item.partition("=")
         section, _, name = key.partition(".")
         conf.setdefault(section, {})[name] = yaml.safe_load(value)
@@ -252,6 +266,17 @@ def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, 
 
 def micro_tokens(args: argparse.Namespace) -> int:
     return max(args.rlflow_micro_tokens, args.prompt_len + args.new)  # rlflow needs room for one sequence
+
+
+def gpus_used(conf_path: Path) -> int:
+    """GPUs a job's pools take: the hybrid pool's and each GPU role's pool of its own."""
+    from engine.config import load_config
+
+    cfg = load_config(conf_path)
+    p = cfg.placement
+    pools = 1 + sum(role in p.own_pool for role in ("rollout", "reference", "critic")) + \
+        int("reward" in p.own_pool and bool(cfg.reward.model))
+    return max(1, round(p.workers * p.gpus_per_worker * pools))
 
 
 def non_defaults(conf_path: Path) -> dict[str, Any]:
@@ -270,9 +295,11 @@ def tracking_uri(work: Path) -> str:
     return f"sqlite:///{work}/mlflow.db" if importlib.util.find_spec("sqlalchemy") else f"file://{work}/mlruns"
 
 
-def read_metrics(uri: str, experiment: str = EXPERIMENT, finished: bool = True) -> dict[str, dict[int, float]]:
+def read_metrics(uri: str, experiment: str = EXPERIMENT, finished: bool = True,
+                 times: dict[int, float] | None = None) -> dict[str, dict[int, float]]:
     """{metric: {step: value}} of the only run in the bench's experiment (which must have
-    finished, unless `finished` is false)."""
+    finished, unless `finished` is false); `times` gets each step's wall-clock end (when its
+    `timing_s/step` was logged)."""
     from mlflow import MlflowClient
 
     os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # the skinny package's store (see tracking_uri)
@@ -280,38 +307,56 @@ def read_metrics(uri: str, experiment: str = EXPERIMENT, finished: bool = True) 
     [run] = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     if finished and run.info.status != "FINISHED":
         raise SystemExit(f"rlflow's run ended {run.info.status}")
-    return {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in run.data.metrics}
+    history = {k: client.get_metric_history(run.info.run_id, k) for k in run.data.metrics}
+    if times is not None:
+        times.update({m.step: m.timestamp / 1e3 for m in history.get("timing_s/step", [])})
+    return {k: {m.step: m.value for m in ms} for k, ms in history.items()}
 
 
-def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, val: Path, work: Path) -> dict:
-    conf = work / "rlflow.yaml"
-    conf.write_text(yaml.safe_dump(rlflow_conf(args, cuda, model, train, val, work / "rlflow_out"), sort_keys=False))
-    settings = non_defaults(conf)
-    print("  rlflow settings (non-default):", ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
+def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, val: Path, work: Path,
+               name: str = "compiled DAG", variant: list[str] = ()) -> dict:
+    """One rlflow job, with the `--variant` settings `variant` where given."""
+    slug = "".join(c if c.isalnum() else "_" for c in name)
+    experiment = f"{EXPERIMENT}-{slug}"
+    conf = work / f"rlflow_{slug}.yaml"
+    conf.write_text(yaml.safe_dump(rlflow_conf(args, cuda, model, train, val, work / f"rlflow_{slug}_out", variant,
+                                               experiment), sort_keys=False))
+    settings, gpus = non_defaults(conf), gpus_used(conf) if cuda else 1
+    print(f"  rlflow {name}{f' on {gpus} GPU(s)' if cuda else ''}, settings (non-default):",
+          ", ".join(f"{k}={v}" for k, v in settings.items()), flush=True)
     uri = tracking_uri(work)
     env = child_env(MLFLOW_TRACKING_URI=uri, MLFLOW_ALLOW_FILE_STORE="true")
     if args.mix:  # the engine's sequences end at the drawn lengths, in every process of the job
         env.update(hook_dir(work / "length_mix_hook", args.mix)[1])
+    log = work / f"rlflow_{slug}.log"
     with DevicePeak() as peak:
-        rc, tail = run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf)], work / "rlflow.log", env)
+        rc, tail = run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf)], log, env)
     if rc:
-        raise SystemExit(f"rlflow failed (exit {rc}); log {work / 'rlflow.log'}:\n{tail}")
-    m = read_metrics(uri)
+        raise SystemExit(f"rlflow ({name}) failed (exit {rc}); log {log}:\n{tail}")
+    ends: dict[int, float] = {}
+    m = read_metrics(uri, experiment, times=ends)
     steps = [{"step_s": m["timing_s/step"][i], "gen_s": m["timing_s/gen"][i], "tokens": m["perf/total_num_tokens"][i],
               "old_log_prob_s": m["timing_s/old_log_prob"][i], "update_s": m["timing_s/update_actor"][i],
               "completion_len": m["response_length/mean"][i], "prompt_len": m["prompt_length/mean"][i]}
              for i in range(1, args.steps + 1)]
-    out = summarise(steps, args.warmup)
+    out = summarise(steps, args.warmup, gpus)
     logged = [max(v.values()) for k, v in m.items() if k.startswith("perf/max_memory_allocated_gb")]
-    out.update(framework="rlflow", mode="compiled DAG", micro_batch=f"{micro_tokens(args)} tokens",
+    steady = range(args.warmup + 1, args.steps + 1)
+    first = ends[steady[0]] - m["timing_s/step"][steady[0]]  # the first timed step's start
+    out.update(busy=peak.busy(first, ends[args.steps]),  # each GPU's, over the timed steps
+               staleness=statistics.median(m["async/staleness/mean"][i] for i in steady)
+               if "async/staleness/mean" in m else 0.0)
+    out.update(framework="rlflow", mode=name, micro_batch=f"{micro_tokens(args)} tokens",
                peak_gib=peak.gib, alloc_gib=max(logged) if logged else None, settings=settings,
                phase_alloc_gib={k.rpartition("/")[2]: max(v.values()) for k, v in m.items()
                                 if k.startswith("perf/max_memory_allocated_gb/")},
                weight_sync_gb=max(m.get("perf/weight_sync_gb", {0: 0.0}).values()),
                phases={k: statistics.median(s[k] for s in steps[args.warmup:]) for k in ("old_log_prob_s", "update_s")})
-    print(f"  rlflow: step {out['step_s']:.3f} s = gen {out['gen_s']:.3f} + old logprobs "
+    print(f"  rlflow {name}: step {out['step_s']:.3f} s = gen {out['gen_s']:.3f} + old logprobs "
           f"{out['phases']['old_log_prob_s']:.3f} + update {out['phases']['update_s']:.3f} + the rest (reward, "
-          "advantages, dispatch)", flush=True)
+          f"advantages, dispatch); staleness {out['staleness']:.2f}; GPUs busy "
+          + (", ".join(f"{b:.0%}" for b in out["busy"]) or "-") + "; peak allocated by phase (GiB) "
+          + (", ".join(f"{k} {v:.1f}" for k, v in out["phase_alloc_gib"].items()) or "-"), flush=True)
     return out
 
 
@@ -444,11 +489,11 @@ def check_lengths(rows: list[dict], args: argparse.Namespace, prompts: list[list
 
 def table(rows: list[dict]) -> str:
     gib = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
-    lines = ["| shape | lengths | framework | mode | micro-batch | step s | gen s | train s | tok/s/GPU "
-             "| peak GiB (device) | alloc GiB | rlflow / best TRL |", "|---" * 12 + "|"]
+    lines = ["| shape | lengths | framework | mode | GPUs | micro-batch | step s | gen s | train s | tok/s/GPU "
+             "| peak GiB (device) | alloc GiB | rlflow / best TRL |", "|---" * 13 + "|"]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['lengths']} | {r['framework']} | {r['mode']} | {r['micro_batch']} | "
-                     f"{r['step_s']:.3f} | "
+        lines.append(f"| {r['shape']} | {r['lengths']} | {r['framework']} | {r['mode']} | {r['gpus']} | "
+                     f"{r['micro_batch']} | {r['step_s']:.3f} | "
                      f"{r['gen_s']:.3f} | {r['train_s']:.3f} | {r['tok_s_gpu']:,.0f} | {gib(r['peak_gib'])} | "
                      f"{gib(r['alloc_gib'])} | {r.get('ratio', '')} |")
     return "\n".join(lines)
@@ -463,9 +508,16 @@ def bench_shape(shape: str, lengths: str, args: argparse.Namespace, cuda: bool) 
         print(f"{shape}, {lengths} lengths: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} -> "
               f"{args.new} tokens{' at most' if args.mix else ''}, {dtype}, {args.steps} steps ({args.warmup} "
               f"warm-up), work dir {work}", flush=True)
-        rows = [run_rlflow(args, cuda, model, train, val, work)]
+        rows = [run_rlflow(args, cuda, model, train, val, work, name, settings)
+                for name, settings in args.variants] if args.variants else [run_rlflow(args, cuda, model, train, val,
+                                                                                         work)]
         rows += [run_trl(args, cuda, mode, model, train, work) for mode in args.trl_modes]
         check_lengths(rows, args, train_prompt_ids(model, train))
+    if len(args.variants) > 1:
+        base = rows[0]
+        print(f"  against {base['mode']}: " + "; ".join(
+            f"{r['mode']} {base['step_s'] / r['step_s']:.2f}x the step rate, {r['tok_s_gpu'] / base['tok_s_gpu']:.2f}x "
+            "the tokens/s/GPU" for r in rows[1:len(args.variants)]), flush=True)
     best = max((r["tok_s_gpu"] for r in rows if r["framework"] == "TRL"), default=None)
     for r in rows:
         r["shape"], r["lengths"] = shape, lengths
@@ -497,6 +549,10 @@ def main() -> None:
                          "64-sequence micro-batch (64 x 512)")
     ap.add_argument("--rlflow-set", action="append", metavar="SECTION.KEY=VALUE",
                     help="an rlflow config setting for its job, e.g. actor.compile_layers=true (repeatable)")
+    ap.add_argument("--variant", action="append", metavar="NAME[:SETTINGS]",
+                    help="an rlflow job of its own, run side by side with the others: its name, then its "
+                         "space-separated settings over --rlflow-set's, e.g. 'one_step: placement.own_pool=[rollout] "
+                         "trainer.max_staleness=1' (repeatable; default: one job)")
     ap.add_argument("--init-on-gpu", action="store_true",
                     help="draw the random weights on the GPU (a 7B shape takes minutes on the CPU)")
     ap.add_argument("--trl-micro", type=int, default=64, help="TRL's first micro-batch try, in sequences")
@@ -511,6 +567,10 @@ def main() -> None:
     shapes = [s for arg in args.shape or ["qwen2.5-0.5b,qwen2.5-1.5b"] for s in arg.split(",") if s]
     args.trl_modes = [m for m in args.trl_modes.split(",") if m]
     args.lengths = [m for m in args.lengths.split(",") if m]
+    args.variants = [(name.strip(), settings.split()) for name, _, settings in map(lambda v: v.partition(":"),
+                                                                                   args.variant or [])]
+    if len({name for name, _ in args.variants}) != len(args.variants) or any(not n for n, _ in args.variants):
+        raise SystemExit(f"--variant names must be given and differ: {[n for n, _ in args.variants]}")
     unknown = set(shapes) - set(SHAPES) | set(args.trl_modes) - set(TRL_MODES) | set(args.lengths) - {"fixed", "mix"}
     if unknown:
         raise SystemExit(f"unknown shape or TRL mode: {sorted(unknown)}")
