@@ -12,7 +12,7 @@ warm up (for native on CUDA that call also captures the decode graphs), then `--
 run every engine once each, interleaved so host drift hits all alike (median and range). HF
 runs with its dynamic and its static cache (`--hf-cache`). A last, synchronized run of each
 native engine gives the per-phase breakdown; the roofline is decode's bytes (weights + the KV
-each step reads, and the step's logits, written and read once in fp32) over the HBM bandwidth,
+each step reads, and the step's logits once, in fp32) over the HBM bandwidth,
 measured in the same run by a 1 GiB device copy (`--hbm-tbps` overrides it). It ignores
 arithmetic, of the same order at 7B and 256 rows in bf16 (an estimate: 2 x 7.6e9 x 256 FLOPs a
 step at ~790 TFLOP/s is ~4.9 ms, the weights' bytes ~3.8 ms). `--gap N`: each native engine's
@@ -62,10 +62,10 @@ def timed(engine, prompts, params) -> tuple[float, int]:
 
 def roofline(cfg: Qwen2Config, weight_bytes: int, seqs: int, prompt: int, new: int, kv_itemsize: int,
              tbps: float) -> float:
-    """Decode tokens/s if every step only read the weights and the live KV once from HBM, and wrote
-    and read its logits once (fp32: at 1,024 rows and a 152k vocabulary, 0.6 GB each way)."""
+    """Decode tokens/s if every step only read the weights and the live KV once from HBM and moved
+    its logits once (fp32: at 1,024 rows and a 152k vocabulary, 0.6 GB)."""
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-    logits_bytes = 2 * 4 * seqs * cfg.vocab_size
+    logits_bytes = 4 * seqs * cfg.vocab_size
     step_bytes = weight_bytes + kv_itemsize * seqs * (prompt + new / 2) * kv_per_token + logits_bytes
     return seqs * tbps * 1e12 / step_bytes
 
