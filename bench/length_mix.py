@@ -14,10 +14,10 @@ order they run them in.
 Both frameworks can still sample the end token earlier by chance (about one draw in the vocabulary
 size); the bench checks the lengths each one logged against the draws.
 
-Lengths are log-normal, as real ones are, clipped to a floor and the cap: prompts with a median
-of 0.4 x the cap (like a GSM8K question in a short instruction, at `--prompt-len 256`: median 102,
-most between 50 and 250 tokens), answers with a median of 0.45 x the cap (a few in every hundred
-reach it, so the longest answer holds a step, as it does in real GRPO batches).
+Lengths are log-normal, clipped to a floor and the cap: prompts with a median of 0.4 x the cap
+(meant as a GSM8K question in a short instruction: at `--prompt-len 256`, a median of 102 tokens
+and nine in ten between 50 and 250), answers with a median of 0.45 x the cap (about one in twenty
+reaches it, so the longest answer holds a step, as it does in real GRPO batches).
 """
 
 from __future__ import annotations
