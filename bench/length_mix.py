@@ -22,6 +22,7 @@ reaches it, so the longest answer holds a step, as it does in real GRPO batches)
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.abc
 import importlib.util
 import json
@@ -116,8 +117,12 @@ def force_ends(model: Any, mix: Mix, eos: int, pad: int) -> list[int]:
 # -- rlflow: a patch of the native engine in every process of the job -------------------------------
 
 def patch_native(module: Any, mix: Mix) -> None:
-    """Sequences keyed (prompt index, sample) get their drawn length as their limit."""
+    """Sequences keyed (prompt index, sample) get their drawn length as their limit. The one patch
+    of the bench: it checks the engine's sequence record still has the field it sets, and the
+    bench checks the lengths the job logged."""
     base = module._Seq
+    if "limit" not in {f.name for f in dataclasses.fields(base)}:
+        raise RuntimeError(f"{module.__name__}._Seq has no `limit` any more: the length mix cannot end its sequences")
 
     class Drawn(base):  # type: ignore[misc, valid-type]
         def __init__(self, prompt: list[int], key: Any, *args: Any, **kwargs: Any) -> None:
