@@ -3,7 +3,9 @@
 Continuous batching over a fixed-slot KV cache. `generate` queues (prompt, sample) requests
 (`serve` takes them as they come, from a feed); each engine step either prefills newly admitted
 requests (when slots are free) or decodes one token for every running sequence, then samples on
-the model's device and retires finished sequences, whose slots go to waiting requests. A request
+the model's device and retires finished sequences, whose slots go to waiting requests; while none
+wait, the sequences still running move down to the lowest slots as others retire, so decode
+steps (over rows 0 to the highest busy slot) shrink with them. A request
 that continues a history kept in an idle slot by at most FOLD tokens skips prefill: it joins the
 decode steps at once, fed its new tokens one a step.
 
@@ -172,10 +174,13 @@ class NativeRollout:
         # CUDA graphs for decode, per (row count, whether sampling is in the graph), captured when
         # a call first needs them; None = eager, as on CPU
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] | None = None
+        # the row counts a decode step runs (on CUDA, one graph each): the smallest that covers the
+        # highest busy slot; `_compact` moves sequences down as others retire, so it shrinks with them
+        self.row_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < max_slots}
+                                | set(range(64, max_slots, 64)) | {max_slots})
+        self.moved = 0  # sequences moved to a lower slot mid-decode (`_compact`)
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = {}
-            self.graph_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < max_slots}
-                                      | set(range(64, max_slots, 64)) | {max_slots})
             self._hidden = torch.zeros(max_slots, cfg.hidden_size, dtype=weight.dtype, device=self.device)
             # sampling in the graph: each row's uniform and 1/temperature in; each row's (token,
             # logprob) out as float32, so one copy brings a step's results to the host
@@ -316,6 +321,8 @@ class NativeRollout:
                     self._keep(retired)
                     self._kv_lens[to_device(torch.tensor([s.slot for s in retired]), self.device)] = 0
                     free.extend(s.slot for s in retired)
+                if retired and running and not waiting and self._compact(running, free, reserved):
+                    rows = None
                 self._lap("schedule")
         if finished:
             feed(finished, False)
@@ -346,8 +353,10 @@ class NativeRollout:
 
     def _graph_rows(self, batch: list[_Seq]) -> int:
         """The captured row count a decode over `batch` replays: the smallest covering its highest slot."""
-        busy = max(s.slot for s in batch) + 1
-        return next(b for b in self.graph_sizes if b >= busy)
+        return self._rows_for(max(s.slot for s in batch) + 1)
+
+    def _rows_for(self, busy: int) -> int:
+        return next(b for b in self.row_sizes if b >= busy)
 
     def _advance(self, slots: torch.Tensor, tokens: torch.Tensor, admitted: list[_Seq]) -> None:
         """The next decode's inputs, on the device: each stepped slot's new token, and its cached
@@ -454,6 +463,42 @@ class NativeRollout:
             seq.slot, seq.cached = slot, cached
             batch.append(seq)
         return batch
+
+    def _compact(self, running: list[_Seq], free: list[int], reserved: dict[int, _Seq]) -> bool:
+        """Move the running sequences above the row count that would cover them all into the lowest
+        free slots (none reserved), so that decode steps run over fewer rows as sequences retire;
+        True if any moved. Each mover swaps places with what its new slot holds: the K/V columns,
+        the decode inputs, a step's picks still to be read (a step launched ahead of this one
+        books them by slot), and a kept history, which goes on in the slot vacated. The copies
+        queue behind any step in flight."""
+        target = self._rows_for(len(running))
+        movers = [s for s in running if s.slot >= target]
+        room = sorted(f for f in free if f < target and f not in reserved)[:len(movers)]
+        if not movers or len(room) < len(movers):
+            return False
+        assert self.cache.k is not None and self.cache.v is not None
+        width = min(self.max_len, max([len(s.prompt) + len(s.tokens) + 2 for s in movers]  # + a step in flight
+                                      + [len(self._cached.get(f, ())) for f in room]))
+        src, dst = to_device(torch.tensor([[s.slot for s in movers], room]), self.device)
+        both, swapped = torch.cat([src, dst]), torch.cat([dst, src])
+        for kv in (self.cache.k, self.cache.v):
+            kv[:, both, :, :width] = kv[:, swapped, :, :width]  # the right side is gathered first
+        self._col0[:, :, both] = self._col0[:, :, swapped]
+        for buffer in (self._ids, self._kv_lens):
+            buffer[both] = buffer[swapped]
+        if self.graphs is not None:
+            self._picked[:, both] = self._picked[:, swapped]
+        histories = {f: self._cached[f] for f in room if f in self._cached}
+        for s, slot in zip(movers, room):
+            self._forget(slot)
+            free.remove(slot)
+            free.insert(0, s.slot)  # taken last: admissions fill low slots first
+            if slot in histories:
+                self._cached[s.slot] = history = histories[slot]
+                self._index[(len(history), tuple(history[-self.TAIL:]))] = s.slot
+            s.slot = slot
+        self.moved += len(movers)
+        return True
 
     def _free_slot(self, free: list[int], reserved: dict[int, _Seq], spare: bool) -> int:
         """The free slot a fresh request takes: the last freed that no waiting request continues
@@ -618,7 +663,7 @@ class NativeRollout:
         and before any prefill: the warm-up decodes write K/V into column 0 of the slots."""
         assert self.graphs is not None
         pool = None
-        for rows in reversed(self.graph_sizes):
+        for rows in reversed(self.row_sizes):
             self._graph_body(rows, sampled)  # warm-up outside capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):

@@ -275,3 +275,39 @@ def test_weights_landing_between_steps_are_booked_per_token(model_dir, hf, tok):
         else:
             torch.testing.assert_close(got, new_lp[i, :10], atol=1e-4, rtol=1e-4)
 
+
+
+def test_sequences_move_to_lower_slots_as_others_retire(model_dir, hf, tok):
+    """Twelve prompts in 16 slots whose answers end one after another, the longest in the highest
+    slots: as sequences retire, the running ones move down, so decode runs over fewer rows. Each
+    answer is still the one a one-slot engine gives (greedy) and scores as the trainer does
+    (sampled); each retired answer's history is kept through the moves, and a second turn
+    continues every one of them from its cache."""
+    prompts = [tok.encode(f"{i}+{3 * i}=") for i in range(12)]
+    limits = [2 * i + 1 for i in range(12)]
+    engine = NativeRollout(model_dir, tok, max_slots=16, max_len=96)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=24, limits=limits)
+    got = engine.generate(prompts, greedy)
+    assert engine.moved >= 4, engine.moved  # at 8 running, the four in slots 8-11 go down
+    want = NativeRollout(model_dir, tok, max_slots=1, max_len=96).generate(prompts, greedy)
+    for a, b in zip(got, want):
+        assert a[0].token_ids == b[0].token_ids
+        torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=1e-4)
+
+    histories = [p + g[0].token_ids[:-1] for p, g in zip(prompts, got)]
+    assert sorted(engine._cached.values()) == sorted(histories)
+    turn2 = [p + g[0].token_ids + tok.encode(" ok") for p, g in zip(prompts, got)]
+    reused = engine.reused
+    again = engine.generate(turn2, SamplingParams(temperature=0.0, max_new_tokens=4))
+    assert engine.reused - reused == sum(map(len, histories))
+    fresh = NativeRollout(model_dir, tok, max_slots=16, max_len=96).generate(turn2, SamplingParams(
+        temperature=0.0, max_new_tokens=4))
+    assert [g[0].token_ids for g in again] == [g[0].token_ids for g in fresh]
+
+    moved = engine.moved
+    sampled = SamplingParams(temperature=1.0, n=2, max_new_tokens=24, limits=limits, seed=4)
+    flat = [c for g in engine.generate(prompts, sampled) for c in g]
+    assert engine.moved > moved
+    logp = trainer_logprobs(hf, prompts, 2, flat, tok.pad_token_id, 1.0)
+    diff = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
+    assert diff.mean() < 1e-4 and diff.max() < 1e-3, (diff.mean(), diff.max())
