@@ -115,7 +115,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--native", default="bf16", help="comma list of the native engine's weights: bf16, fp8")
+    ap.add_argument("--native", default="bf16", help="comma list of native engines: bf16, fp8 (weights), bf16-nomove "
+                    "(no sequence moves to a lower slot as others retire)")
     ap.add_argument("--gap", type=int, default=0, help="sequences whose logprobs are checked against a bf16 forward")
     ap.add_argument("--hf-cache", default="dynamic,static", help="comma list: dynamic, static, or none")
     ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay")
@@ -141,10 +142,11 @@ def main() -> None:
               f"answers {min(answers)}-{max(answers)} (mean {sum(answers) / len(answers):.0f})")
     natives = {}  # "native" alone keeps the name earlier logs used
     for kind in args.native.split(","):
-        weights = {"bf16": None, "fp8": fp8.FP8}[kind]
+        weights = {"bf16": None, "bf16-nomove": None, "fp8": fp8.FP8}[kind]
         name = "native" if args.native == "bf16" else f"native {kind}"
         natives[name] = NativeRollout(NativeCausalLM.from_module(hf_model, dtype=weights), tok, max_slots=args.seqs,
                                       max_len=args.prompt + args.new)
+        natives[name].MOVE = kind != "bf16-nomove"  # sequences stay in their slots until they end
     engines: dict = dict(natives)
     for cache in filter(lambda c: c in ("dynamic", "static"), args.hf_cache.split(",")):
         engines[f"hf {cache}"] = HFRollout(hf_model, tok, cache_implementation=cache)
@@ -164,9 +166,10 @@ def main() -> None:
         results[name] = statistics.median(rates)
         print(f"  {name:12s} {statistics.median(s for s, _ in runs[name]):7.2f} s  {results[name]:10,.0f} tok/s"
               f"  (range {min(rates):,.0f}-{max(rates):,.0f}; first call {warm[name]:.2f} s)", flush=True)
-    if "native bf16" in runs and "native fp8" in runs:
-        ratios = [b_s / f_s for (b_s, _), (f_s, _) in zip(runs["native bf16"], runs["native fp8"])]
-        print(f"  native fp8 / native bf16 = {statistics.median(ratios):.2f}x (per round: "
+    first, *others = natives
+    for name in others:  # each native engine's speed against the first listed, round by round
+        ratios = [b_s / o_s for (b_s, _), (o_s, _) in zip(runs[first], runs[name])]
+        print(f"  {name} / {first} = {statistics.median(ratios):.2f}x (per round: "
               + ", ".join(f"{r:.2f}" for r in ratios) + ")")
     hf_best = max((v for k, v in results.items() if k.startswith("hf")), default=0.0)
     if hf_best:

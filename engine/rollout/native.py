@@ -321,7 +321,7 @@ class NativeRollout:
                     self._keep(retired)
                     self._kv_lens[to_device(torch.tensor([s.slot for s in retired]), self.device)] = 0
                     free.extend(s.slot for s in retired)
-                if retired and running and not waiting and self._compact(running, free, reserved):
+                if retired and running and not waiting and self.MOVE and self._compact(running, free, reserved):
                     rows = None
                 self._lap("schedule")
         if finished:
@@ -463,6 +463,8 @@ class NativeRollout:
             seq.slot, seq.cached = slot, cached
             batch.append(seq)
         return batch
+
+    MOVE = True  # whether running sequences move down as others retire (`_compact`); off only to measure it
 
     def _compact(self, running: list[_Seq], free: list[int], reserved: dict[int, _Seq]) -> bool:
         """Move the running sequences above the row count that would cover them all into the lowest
