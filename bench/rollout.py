@@ -25,7 +25,9 @@ lengths drawn up to `--prompt`, each answer ending at its drawn length up to `--
 engines only: transformers' generate cannot end rows at their own lengths here), and reports the
 step's generation floor (on CUDA): the prefill of its prompts as the engine runs it alone (a
 call for one new token each), plus its longest answer's decode steps at one read of the weights
-each. A long tail holds a step: the rows finish one by one while the longest keeps decoding.
+each; and a second floor that also reads each live row's KV and writes its logits once a step
+(what a step over many rows cannot avoid). A long tail holds a step: the rows finish one by one
+while the longest keeps decoding.
 """
 
 from __future__ import annotations
@@ -60,14 +62,27 @@ def timed(engine, prompts, params) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(c.token_ids) for g in out for c in g)
 
 
+def kv_per_token(cfg: Qwen2Config) -> int:
+    """K and V elements one token holds in the cache, all layers."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+
+
 def roofline(cfg: Qwen2Config, weight_bytes: int, seqs: int, prompt: int, new: int, kv_itemsize: int,
              tbps: float) -> float:
     """Decode tokens/s if every step only read the weights and the live KV once from HBM and moved
     its logits once (fp32: at 1,024 rows and a 152k vocabulary, 0.6 GB)."""
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     logits_bytes = 4 * seqs * cfg.vocab_size
-    step_bytes = weight_bytes + kv_itemsize * seqs * (prompt + new / 2) * kv_per_token + logits_bytes
+    step_bytes = weight_bytes + kv_itemsize * seqs * (prompt + new / 2) * kv_per_token(cfg) + logits_bytes
     return seqs * tbps * 1e12 / step_bytes
+
+
+def mix_decode_bytes(cfg: Qwen2Config, weight_bytes: int, prompt_lens: list[int], answers: list[int],
+                     kv_itemsize: int) -> tuple[int, int, int]:
+    """What the decode steps of a step of mixed lengths must move at least: (the weights, read once
+    a step of the longest answer; each live row's KV, read once a step, a row of prompt p that is
+    t tokens in holding p + t; each live row's logits, written once in fp32) in bytes."""
+    kv = kv_itemsize * kv_per_token(cfg) * sum(a * p + a * (a - 1) // 2 for p, a in zip(prompt_lens, answers))
+    return max(answers) * weight_bytes, kv, 4 * cfg.vocab_size * sum(answers)
 
 
 def logprob_gap(native: NativeRollout, hf_model, prompts: list[list[int]], new: int, pad: int) -> torch.Tensor:
@@ -132,7 +147,8 @@ def main() -> None:
     count = args.seqs // args.samples
     mix = Mix(seed=0, new=args.new) if args.lengths == "mix" else None
     lengths = prompt_lengths(count, args.prompt, seed=0) if mix else [args.prompt] * count
-    prompts = [torch.randint(100, cfg.vocab_size, (n,)).tolist() for n in lengths]
+    ids = torch.Generator().manual_seed(0)  # its own: a CPU run draws the prompts a GPU run does
+    prompts = [torch.randint(100, cfg.vocab_size, (n,), generator=ids).tolist() for n in lengths]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new, n=args.samples, seed=0)
     if mix:  # every native engine's sequences end at their drawn lengths; hf's could not
         patch_native(native_module, mix)
@@ -201,6 +217,11 @@ def main() -> None:
                 print(f"  {name}: generation {gen:.3f} s against a floor of {floor:.3f} s ({gen / floor:.2f}x): "
                       f"prefill alone {prefill:.3f} s + {max(answers)} decode steps at {weight_bytes / 1e9:.2f} GB "
                       f"of weights a step, {tbps:.2f} TB/s", flush=True)
+                moved = mix_decode_bytes(cfg, weight_bytes, [len(p) for p in prompts for _ in range(args.samples)],
+                                         answers, dtype.itemsize)
+                floor = prefill + sum(moved) / (tbps * 1e12)
+                print(f"  {name}: against a floor that also reads each live row's KV ({moved[1] / 1e9:.1f} GB) and "
+                      f"writes its logits ({moved[2] / 1e9:.1f} GB) once a step: {floor:.3f} s ({gen / floor:.2f}x)")
                 continue
             peak = roofline(cfg, weight_bytes, args.seqs, args.prompt, args.new, dtype.itemsize, tbps)
             print(f"  HBM {tbps:.2f} TB/s ({'given' if args.hbm_tbps else 'measured: 1 GiB device copy'}); {name}: "
