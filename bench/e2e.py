@@ -26,7 +26,7 @@ Qwen2.5 shape (bench/shapes.py) and a byte-level BPE tokenizer whose tokens cove
   data-parallel ranks), reported against the first: step rate and tokens/s/GPU (over the GPUs the
   job's pools take), the mean weight-version staleness of its samples, each GPU's busy share over
   the timed steps (nvidia-smi's utilization, polled), and the peak memory of each phase.
-- TRL: `GRPOTrainer` in its own process (separate CUDA state and peak memory), transformers
+- TRL: `GRPOTrainer` in its own process (bench/e2e_trl.py: separate CUDA state and peak memory), transformers
   `generate` (no vLLM), one process per `--trl-modes` entry: `default` is TRL's defaults,
   `fast` the fastest knobs that need no extra package (see TRL_MODES). Its micro-batch starts at
   `--trl-micro` sequences and halves on CUDA OOM: the largest that fits is used and reported.
@@ -63,8 +63,8 @@ from typing import Any
 
 import torch
 import yaml
-from length_mix import Mix, answer_length, force_ends, hook_dir, mean_answer, prompt_lengths
-from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
+from length_mix import Mix, answer_length, hook_dir, mean_answer, prompt_lengths
+from shapes import QWEN25, TINY  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -386,7 +386,7 @@ def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train:
         print(f"  TRL {mode}: micro-batch {micro} x {batch // micro} accumulation steps; GRPOConfig "
               + ", ".join(f"{k}={v}" for k, v in kwargs.items() if k != "output_dir"), flush=True)
         with DevicePeak() as peak:
-            rc, tail = run_logged([sys.executable, str(Path(__file__).resolve()), "--trl-worker", str(spec)],
+            rc, tail = run_logged([sys.executable, str(BENCH / "e2e_trl.py"), str(spec)],
                                   work / f"trl_{mode}.log", child_env())
         if rc == 0:
             break
@@ -402,65 +402,6 @@ def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train:
     print(f"  TRL {mode}: step {out['step_s']:.3f} s = gen {out['gen_s']:.3f} + the rest; "
           f"{out['tok_s_gpu']:.0f} tok/s/GPU", flush=True)
     return out
-
-
-def trl_worker(spec_path: str) -> None:
-    """The TRL side, in a process of its own: train, time each step, write the result JSON."""
-    from datasets import Dataset
-    from e2e_reward import trl_reward
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    spec = json.loads(Path(spec_path).read_text())
-    mix = spec["mix"] and Mix(**spec["mix"])
-    gens: list[dict[str, float]] = []
-
-    class TimedGRPOTrainer(GRPOTrainer):
-        """GRPOTrainer, with `_generate` timed (TRL's own profiling timers only report to
-        wandb/mlflow/trackio) and its prompt and completion lengths recorded."""
-
-        def _generate(self, prompts: list) -> tuple:
-            sync()
-            start = time.perf_counter()
-            out = super()._generate(prompts)
-            sync()
-            prompt_ids, completion_ids = out[0], out[1]
-            lengths = {"prompt": {len(p) for p in prompt_ids}, "completion": {len(c) for c in completion_ids}}
-            if not mix and any(len(v) != 1 for v in lengths.values()):
-                raise RuntimeError(f"TRL generated uneven lengths: {lengths}")
-            gens.append({"gen_s": time.perf_counter() - start, "n": len(completion_ids),
-                         "prompt_len": sum(map(len, prompt_ids)) / len(prompt_ids),
-                         "completion_len": sum(map(len, completion_ids)) / len(completion_ids),
-                         "tokens": sum(map(len, prompt_ids)) + sum(map(len, completion_ids))})
-            return out
-
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.seconds: list[float] = []
-
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
-            sync()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            sync()
-            self.seconds.append(time.perf_counter() - self.start)
-
-    texts = [json.loads(line)["prompt"] for line in Path(spec["train"]).read_text().splitlines()]
-    timer = StepTimer()
-    tok = AutoTokenizer.from_pretrained(spec["model"])
-    trainer = TimedGRPOTrainer(model=spec["model"], reward_funcs=[trl_reward], args=GRPOConfig(**spec["kwargs"]),
-                               train_dataset=Dataset.from_dict({"prompt": texts}), processing_class=tok,
-                               callbacks=[timer])
-    forced = force_ends(trainer.model, mix, tok.eos_token_id, tok.pad_token_id) if mix else None
-    trainer.train()
-    if forced is not None and len(forced) != len(gens):
-        raise SystemExit(f"the forced ends were applied in {len(forced)} of {len(gens)} generations")
-    if len(gens) != len(timer.seconds):
-        raise SystemExit(f"TRL generated {len(gens)} times in {len(timer.seconds)} optimizer steps; expected one each")
-    steps = [dict(g, step_s=s) for g, s in zip(gens, timer.seconds)]
-    alloc = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    Path(spec["result"]).write_text(json.dumps({"steps": steps, "alloc_gib": alloc}))
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -560,10 +501,7 @@ def main() -> None:
                     help=f"comma list of {sorted(TRL_MODES)}; empty runs rlflow alone")
     ap.add_argument("--out", default=str(Path(os.environ["OUT"]) / "e2e.json") if os.environ.get("OUT")
                     else str(BENCH / "out" / "e2e.json"))
-    ap.add_argument("--trl-worker", help=argparse.SUPPRESS)  # internal: the TRL child process
     args = ap.parse_args()
-    if args.trl_worker:
-        return trl_worker(args.trl_worker)
     shapes = [s for arg in args.shape or ["qwen2.5-0.5b,qwen2.5-1.5b"] for s in arg.split(",") if s]
     args.trl_modes = [m for m in args.trl_modes.split(",") if m]
     args.lengths = [m for m in args.lengths.split(",") if m]
@@ -583,7 +521,7 @@ def main() -> None:
     print("\n" + table(rows))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "trl_worker"},
+    out.write_text(json.dumps({"args": vars(args),
                                "device": device_name(cuda), "results": rows}, indent=1))
     print(f"\nwrote {out}")
 
