@@ -475,8 +475,10 @@ class NativeRollout:
         queue behind any step in flight."""
         target = self._rows_for(len(running))
         movers = [s for s in running if s.slot >= target]
+        if not movers:
+            return False
         room = sorted(f for f in free if f < target and f not in reserved)[:len(movers)]
-        if not movers or len(room) < len(movers):
+        if len(room) < len(movers):
             return False
         assert self.cache.k is not None and self.cache.v is not None
         width = min(self.max_len, max([len(s.prompt) + len(s.tokens) + 2 for s in movers]  # + a step in flight
@@ -496,8 +498,7 @@ class NativeRollout:
             free.remove(slot)
             free.insert(0, s.slot)  # taken last: admissions fill low slots first
             if slot in histories:
-                self._cached[s.slot] = history = histories[slot]
-                self._index[(len(history), tuple(history[-self.TAIL:]))] = s.slot
+                self._remember(s.slot, histories[slot])
             s.slot = slot
         self.moved += len(movers)
         return True
@@ -543,9 +544,12 @@ class NativeRollout:
         assert self.cache.k is not None and self.cache.v is not None
         self._col0[0][:, slots], self._col0[1][:, slots] = self.cache.k[:, slots, :, 0], self.cache.v[:, slots, :, 0]
         for s in retired:
-            history = s.prompt + s.tokens[:-1]
-            self._cached[s.slot] = history
-            self._index[(len(history), tuple(history[-self.TAIL:]))] = s.slot
+            self._remember(s.slot, s.prompt + s.tokens[:-1])
+
+    def _remember(self, slot: int, history: list[int]) -> None:
+        """Record that idle `slot` holds the K/V of `history`, found by (length, last ids)."""
+        self._cached[slot] = history
+        self._index[(len(history), tuple(history[-self.TAIL:]))] = slot
 
     def _forget(self, slot: int | None = None) -> None:
         """Drop what `slot` (None: every slot) is known to hold."""
