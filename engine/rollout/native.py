@@ -49,7 +49,6 @@ Run: the tests in tests/engine/rollout/test_native.py (CPU, fp32, the tiny embed
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -61,6 +60,7 @@ import torch
 
 from engine.rollout import kernels
 from engine.rollout.base import Completion, Feed, Request, SamplingParams, limits_of, stop_ids
+from engine.rollout.histories import Histories
 from engine.rollout.model import KVCache, NativeCausalLM, head_dim
 from engine.tensors import fused, to_device
 
@@ -152,10 +152,9 @@ class NativeRollout:
         self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
         self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, self.model.kv_heads, head_dim(cfg),
                              weight.dtype, self.device)
-        # what each idle slot's cache still holds (ids whose K/V it has, under the weights of
-        # `_writes`), found by (length, last ids): a prompt that continues one prefills the rest only
-        self._cached: dict[int, list[int]] = {}
-        self._index: dict[tuple[int, tuple[int, ...]], int] = {}
+        # what each idle slot's cache still holds, under the weights of `_writes`: a prompt that
+        # continues one prefills the rest only
+        self.histories = Histories()
         self._writes = self.model.writes
         # an idle slot's column 0 as it was cached: idle decode rows scribble there (see `decode`)
         self._col0 = torch.zeros(2, cfg.num_hidden_layers, max_slots, self.model.kv_heads, head_dim(cfg),
@@ -236,7 +235,7 @@ class NativeRollout:
         self._kv_lens.zero_()
         in_graph = self._samples_in_graph(params)
         if self.model.writes != self._writes:  # new weights: what the cache holds is another policy's
-            self._forget()
+            self._forget_all()
         if self.graphs is not None and (self.max_slots, in_graph) not in self.graphs:
             with torch.inference_mode():  # before any prefill: warm-up decodes scribble on the slots'
                 self._capture(in_graph)  # column 0 only, which a kept history gets back from `_col0`
@@ -413,7 +412,7 @@ class NativeRollout:
         for s in joined:
             del reserved[s.slot]
             free.remove(s.slot)
-            self._forget(s.slot)
+            self.histories.forget(s.slot)
             s.feeding = s.prompt[s.cached:]
         self.prefilled += sum(len(s.feeding) for s in joined)
         self.reused += sum(s.cached for s in joined)
@@ -459,7 +458,7 @@ class NativeRollout:
             if evicted is not None and evicted is not seq:  # no slot left but one a later prompt continues
                 evicted.cached = 0
             free.remove(slot)
-            self._forget(slot)
+            self.histories.forget(slot)
             seq.slot, seq.cached = slot, cached
             batch.append(seq)
         return batch
@@ -482,7 +481,7 @@ class NativeRollout:
             return False
         assert self.cache.k is not None and self.cache.v is not None
         width = min(self.max_len, max([len(s.prompt) + len(s.tokens) + 2 for s in movers]  # + a step in flight
-                                      + [len(self._cached.get(f, ())) for f in room]))
+                                      + [len(self.histories.get(f)) for f in room]))
         src, dst = to_device(torch.tensor([[s.slot for s in movers], room]), self.device)
         both, swapped = torch.cat([src, dst]), torch.cat([dst, src])
         for kv in (self.cache.k, self.cache.v):
@@ -492,13 +491,13 @@ class NativeRollout:
             buffer[both] = buffer[swapped]
         if self.graphs is not None:
             self._picked[:, both] = self._picked[:, swapped]
-        histories = {f: self._cached[f] for f in room if f in self._cached}
+        histories = {f: self.histories.get(f) for f in room if f in self.histories}
         for s, slot in zip(movers, room):
-            self._forget(slot)
+            self.histories.forget(slot)
             free.remove(slot)
             free.insert(0, s.slot)  # taken last: admissions fill low slots first
             if slot in histories:
-                self._remember(s.slot, histories[slot])
+                self.histories.remember(s.slot, histories[slot])
             s.slot = slot
         self.moved += len(movers)
         return True
@@ -508,7 +507,7 @@ class NativeRollout:
         (with `spare`, nor holds a history: its episode's next turn may still come), else the last."""
         unreserved = (s for s in reversed(free) if s not in reserved)
         if spare:
-            unreserved = (s for s in reversed(free) if s not in reserved and s not in self._cached)
+            unreserved = (s for s in reversed(free) if s not in reserved and s not in self.histories)
         return next(unreserved, next((s for s in reversed(free) if s not in reserved), free[-1]))
 
     def _reserve(self, seqs: list[_Seq], reserved: dict[int, _Seq]) -> list[_Seq]:
@@ -516,26 +515,12 @@ class NativeRollout:
         request a slot (a prompt's other samples prefill it again from the first one's, see
         `_prefill`); returns those requests, which must wait ahead of the others."""
         found: list[_Seq] = []
-        lengths = sorted({n for n, _ in self._index})
-        for seq in seqs if self._index else ():
-            slot, cached = self._continued(seq.prompt, lengths)
+        matches = self.histories.continued([seq.prompt for seq in seqs]) if self.histories else []
+        for seq, (slot, cached) in zip(seqs, matches):
             if slot >= 0 and slot not in reserved:
                 reserved[slot], seq.slot, seq.cached = seq, slot, cached
                 found.append(seq)
         return found
-
-    # -- histories kept in idle slots: a multi-turn episode's next turn prefills its new tokens only
-    TAIL = 16  # ids of a history's end that index it
-
-    def _continued(self, prompt: list[int], lengths: list[int]) -> tuple[int, int]:
-        """(the idle slot whose cached history `prompt` continues, the history's length), the longest
-        such of the cached `lengths` (ascending); (-1, 0) if none. The history must be a strict
-        prefix: the last prompt token is prefilled for its logits."""
-        for length in reversed(lengths[:bisect.bisect_left(lengths, len(prompt))]):
-            slot = self._index.get((length, tuple(prompt[max(0, length - self.TAIL):length])), -1)
-            if slot >= 0 and self._cached[slot] == prompt[:length]:
-                return slot, length
-        return -1, 0
 
     def _keep(self, retired: list[_Seq]) -> None:
         """Remember what the retired sequences' slots hold: the prompt and every sampled token but the
@@ -544,21 +529,12 @@ class NativeRollout:
         assert self.cache.k is not None and self.cache.v is not None
         self._col0[0][:, slots], self._col0[1][:, slots] = self.cache.k[:, slots, :, 0], self.cache.v[:, slots, :, 0]
         for s in retired:
-            self._remember(s.slot, s.prompt + s.tokens[:-1])
+            self.histories.remember(s.slot, s.prompt + s.tokens[:-1])
 
-    def _remember(self, slot: int, history: list[int]) -> None:
-        """Record that idle `slot` holds the K/V of `history`, found by (length, last ids)."""
-        self._cached[slot] = history
-        self._index[(len(history), tuple(history[-self.TAIL:]))] = slot
-
-    def _forget(self, slot: int | None = None) -> None:
-        """Drop what `slot` (None: every slot) is known to hold."""
-        for s in list(self._cached) if slot is None else [slot]:
-            history = self._cached.pop(s, None)
-            if history is not None and self._index.get((len(history), tuple(history[-self.TAIL:]))) == s:
-                del self._index[(len(history), tuple(history[-self.TAIL:]))]
-        if slot is None:
-            self._writes = self.model.writes
+    def _forget_all(self) -> None:
+        """The cache holds nothing a later prompt may continue (new weights, memory released)."""
+        self.histories.forget()
+        self._writes = self.model.writes
 
     def _prefill(self, batch: list[_Seq]) -> torch.Tensor:
         """Write prompts into their slots; logits [B, V] at each prompt's last token. A prompt's
@@ -695,7 +671,7 @@ class NativeRollout:
         then lost until written again), so training gets the memory."""
         if weights:
             self.model.release_weights()
-        self._forget()
+        self._forget_all()
         if self.cache.k is None:
             return
         self.cache.free()

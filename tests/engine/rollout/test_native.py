@@ -203,7 +203,7 @@ def test_a_continued_sequence_prefills_only_its_new_tokens(model_dir, hf, tok):
     first = NativeRollout(model_dir, tok, max_slots=8, max_len=96, max_prefill_tokens=16)
     turn1 = first.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=1.0, n=2, max_new_tokens=9))
     samples = [tok.encode(t) + c.token_ids for t, g in zip(TEXTS, turn1) for c in g]  # 10 histories, 8 slots
-    kept = [s[:-1] in first._cached.values() for s in samples]
+    kept = [s[:-1] in first.histories.held.values() for s in samples]
     assert sum(kept) == 8, "the last 8 sequences to retire leave their histories in the 8 idle slots"
     observations = [tok.encode(f" -> {i * 37} ok.") for i in range(len(samples))]
     turn2 = [s + o for s, o in zip(samples, observations)]
@@ -295,7 +295,7 @@ def test_sequences_move_to_lower_slots_as_others_retire(model_dir, hf, tok):
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=1e-4)
 
     histories = [p + g[0].token_ids[:-1] for p, g in zip(prompts, got)]
-    assert sorted(engine._cached.values()) == sorted(histories)
+    assert sorted(engine.histories.held.values()) == sorted(histories)
     turn2 = [p + g[0].token_ids + tok.encode(" ok") for p, g in zip(prompts, got)]
     reused = engine.reused
     again = engine.generate(turn2, SamplingParams(temperature=0.0, max_new_tokens=4))

@@ -177,7 +177,7 @@ def test_continued_sequences_on_the_graph_path(model_dir, dtype):
     engine = NativeRollout(NativeCausalLM.from_pretrained(model_dir, dtype, "cuda"), tok, max_slots=16, max_len=96)
     first = engine.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
     samples = [tok.encode(t) + g[0].token_ids for t, g in zip(TEXTS, first)]
-    kept = [s[:-1] in engine._cached.values() for s in samples]
+    kept = [s[:-1] in engine.histories.held.values() for s in samples]
     turn2 = [s + tok.encode(f"->{i}.") for i, s in enumerate(samples)]
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
     reused = engine.reused
