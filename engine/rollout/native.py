@@ -491,13 +491,13 @@ class NativeRollout:
             buffer[both] = buffer[swapped]
         if self.graphs is not None:
             self._picked[:, both] = self._picked[:, swapped]
-        histories = {f: self.histories.get(f) for f in room if f in self.histories}
-        for s, slot in zip(movers, room):
-            self.histories.forget(slot)
+        for s, slot in zip(movers, room):  # a mover's own slot holds no history: it is running
+            if slot in self.histories:
+                history = self.histories.get(slot)
+                self.histories.forget(slot)
+                self.histories.remember(s.slot, history)
             free.remove(slot)
             free.insert(0, s.slot)  # taken last: admissions fill low slots first
-            if slot in histories:
-                self.histories.remember(s.slot, histories[slot])
             s.slot = slot
         self.moved += len(movers)
         return True
