@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.data.task import compute_score
+from engine.tensors import left_pad
 
 
 def group(problem: str) -> str:
@@ -30,17 +31,12 @@ def group(problem: str) -> str:
 
 
 @torch.no_grad()
-def greedy(model_dir: Path, problems: list[str]) -> list[str]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
+def greedy(model: torch.nn.Module, tok: AutoTokenizer, problems: list[str]) -> list[str]:
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    ids = [tok.encode(p) for p in problems]
-    width = max(map(len, ids))
-    rows = torch.tensor([[pad] * (width - len(s)) + s for s in ids])  # left-padded
-    mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in ids])
+    rows, mask = left_pad([tok.encode(p) for p in problems], pad)
     out = model.generate(input_ids=rows, attention_mask=mask, max_new_tokens=6, do_sample=False,
                          pad_token_id=pad, eos_token_id=tok.eos_token_id)
-    return [tok.decode(r[width:], skip_special_tokens=True) for r in out]
+    return [tok.decode(r[rows.shape[1]:], skip_special_tokens=True) for r in out]
 
 
 def main() -> None:
@@ -48,13 +44,15 @@ def main() -> None:
     ap.add_argument("dirs", nargs="+", type=Path, help="trainer.output_dir of embedded-task runs")
     args = ap.parse_args()
     for root in args.dirs:
-        for model in ("warmstart", "hf_model"):
-            print(f"{root}/{model}")
+        for name in ("warmstart", "hf_model"):
+            print(f"{root}/{name}")
+            model = AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32).eval()
+            tok = AutoTokenizer.from_pretrained(root / name)
             for split in ("train", "val"):
                 df = pd.read_parquet(root / "embedded" / "data" / f"{split}.parquet")
                 problems = [r.prompt[0]["content"] for r in df.itertuples()]
                 truths = [r.reward_model["ground_truth"] for r in df.itertuples()]
-                right = [compute_score("", a, t) for a, t in zip(greedy(root / model, problems), truths)]
+                right = [compute_score("", a, t) for a, t in zip(greedy(model, tok, problems), truths)]
                 by: dict[str, list[float]] = {}
                 for p, r in zip(problems, right):
                     by.setdefault(group(p), []).append(r)
