@@ -155,7 +155,7 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
 
 
 DEV_PROMPTS = 256  # training prompts the warm start holds out, to measure its accuracy on
-CHECK_EVERY = 100  # warm-start steps between two measurements of that accuracy
+CHECK_EVERY = 50  # warm-start steps between two measurements of that accuracy
 
 
 def hold_out(examples: list[Example], prompts: list[Prompt], n: int, seed: int) -> tuple[list[Example], list[Prompt]]:

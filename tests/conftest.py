@@ -64,7 +64,8 @@ def leave_group() -> None:
 
 @pytest.fixture(scope="session")
 def data_files(tmp_path_factory) -> dict[str, str]:
-    return task.build_data(tmp_path_factory.mktemp("data"), n_train=512, n_val=64, seed=0)
+    """Unpadded problems (`7+45=` -> `52`): prompts and answers of mixed lengths exercise the padding paths."""
+    return task.build_data(tmp_path_factory.mktemp("data"), n_train=512, n_val=64, seed=0, pad=False)
 
 
 @pytest.fixture(scope="session")

@@ -84,12 +84,22 @@ def build_model(out_dir: str | Path, seed: int = 0, hidden: int = 128, layers: i
     return out
 
 
-def _row(a: int, b: int, index: int, split: str) -> dict:
+def problem(a: int, b: int, digits: int, pad: bool = True) -> tuple[str, str]:
+    """The prompt and answer of `a + b`; with `pad`, zero-padded to a fixed width (`07+45=` -> `052`).
+    Padded, each digit of a kind has one position, so a small model learns one rule for the ones digit
+    rather than one per answer length (unpadded, a warm start can learn it for 3-digit sums only,
+    and RL does not then learn it for 2-digit ones: docs/learning.md)."""
+    if not pad:
+        return f"{a}+{b}=", str(a + b)
+    return f"{a:0{digits}d}+{b:0{digits}d}=", f"{a + b:0{digits + 1}d}"
+
+
+def _row(prompt: str, answer: str, index: int, split: str) -> dict:
     return {
         "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+        "prompt": [{"role": "user", "content": prompt}],
         "ability": "arithmetic",
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "reward_model": {"style": "rule", "ground_truth": answer},
         "extra_info": {"index": index, "split": split},
     }
 
@@ -117,32 +127,38 @@ def write_splits(out_dir: str | Path, rows: dict[str, list[dict]]) -> dict[str, 
 
 
 def build_data(out_dir: str | Path, digits: int = 2, n_train: int = 4096, n_val: int = 256,
-               seed: int = 0) -> dict[str, str]:
-    """Write train/val parquet files of `digits`-digit addition; returns {split: path}."""
+               seed: int = 0, pad: bool = True) -> dict[str, str]:
+    """Write train/val parquet files of `digits`-digit addition (`problem`); returns {split: path}."""
     splits = _problems(digits, n_train, n_val, seed)
-    return write_splits(out_dir, {split: [_row(a, b, i, split) for i, (a, b) in enumerate(items)]
-                            for split, items in splits.items()})
+    return write_splits(out_dir, {split: [_row(*problem(a, b, digits, pad), i, split) for i, (a, b) in enumerate(items)]
+                                  for split, items in splits.items()})
 
 
-def wrong_answer(answer: int, rng: random.Random) -> str:
-    """A near miss of `answer`: off by one, or one digit changed (never a new leading zero)."""
-    text = str(answer)
+def wrong_answer(answer: int, rng: random.Random, width: int = 0) -> str:
+    """A near miss of `answer`, zero-padded to `width`: off by one, or one digit changed (never a new
+    leading zero unless padded)."""
+    text = f"{answer:0{width}d}"
     if rng.random() < 0.5:
-        return str(answer + 1 if answer == 0 or rng.random() < 0.5 else answer - 1)
+        return f"{answer + 1 if answer == 0 or rng.random() < 0.5 else answer - 1:0{width}d}"
     i = rng.randrange(len(text))
-    digits = [d for d in "0123456789" if d != text[i] and not (d == "0" and i == 0 and len(text) > 1)]
+    digits = [d for d in "0123456789" if d != text[i] and not (d == "0" and i == 0 and len(text) > 1 and not width)]
     return text[:i] + rng.choice(digits) + text[i + 1:]
 
 
 def build_pairs(out_dir: str | Path, digits: int = 2, n_train: int = 4096, n_val: int = 256,
-                seed: int = 0) -> dict[str, str]:
+                seed: int = 0, pad: bool = True) -> dict[str, str]:
     """Write train/val preference pairs over the problems `build_data` writes, in the same order:
-    `prompt`, `chosen` (the sum), `rejected` (a `wrong_answer`), `data_source`. Returns {split: path}."""
+    `prompt`, `chosen` (the sum), `rejected` (a `wrong_answer` of the same width), `data_source`.
+    Returns {split: path}."""
     rng = random.Random(seed)
-    rows = {split: [{"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-                     "chosen": str(a + b), "rejected": wrong_answer(a + b, rng)} for a, b in items]
-            for split, items in _problems(digits, n_train, n_val, seed).items()}
-    return write_splits(out_dir, rows)
+
+    def pair(a: int, b: int) -> dict:
+        prompt, answer = problem(a, b, digits, pad)
+        return {"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": prompt}], "chosen": answer,
+                "rejected": wrong_answer(a + b, rng, len(answer) if pad else 0)}
+
+    return write_splits(out_dir, {split: [pair(a, b) for a, b in items]
+                                  for split, items in _problems(digits, n_train, n_val, seed).items()})
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:

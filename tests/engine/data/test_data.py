@@ -264,4 +264,15 @@ def test_embedded_pairs_match_the_embedded_prompts(tmp_path) -> None:
     pairs = pd.read_parquet(task.build_pairs(tmp_path / "p", n_train=300, n_val=40)["train"])
     assert [p[0]["content"] for p in prompts["prompt"]] == [p[0]["content"] for p in pairs["prompt"]]
     assert [r["ground_truth"] for r in prompts["reward_model"]] == pairs["chosen"].tolist()
-    assert all(c != r and r.isdigit() and (r == "0" or r[0] != "0") for c, r in zip(pairs["chosen"], pairs["rejected"]))
+    assert all(c != r and r.isdigit() and len(r) == len(c) == 3 for c, r in zip(pairs["chosen"], pairs["rejected"]))
+    unpadded = pd.read_parquet(task.build_pairs(tmp_path / "u", n_train=300, n_val=40, pad=False)["train"])
+    assert all(c != r and r.isdigit() and (r == "0" or r[0] != "0")
+               for c, r in zip(unpadded["chosen"], unpadded["rejected"]))
+
+
+def test_embedded_problems_are_zero_padded_sums(tmp_path) -> None:
+    rows = pd.read_parquet(task.build_data(tmp_path / "d", n_train=300, n_val=40)["train"])
+    for prompt, truth in zip(rows["prompt"], rows["reward_model"]):
+        a, b = prompt[0]["content"].rstrip("=").split("+")
+        assert len(a) == len(b) == 2 and truth["ground_truth"] == f"{int(a) + int(b):03d}"
+    assert task.problem(7, 45, 2) == ("07+45=", "052") and task.problem(7, 45, 2, pad=False) == ("7+45=", "52")
