@@ -32,7 +32,7 @@ from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS,
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
 EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL: at most this many steps ...
 EMBEDDED_WARMSTART_ACCURACY = 0.4  # ... ending once its greedy accuracy on training problems reaches this
-EMBEDDED_DPO_WARMSTART_STEPS = 1800  # before DPO, which measures no accuracy: a fixed count
+EMBEDDED_DPO_WARMSTART_STEPS = 900  # before DPO, which measures no accuracy: a fixed count, short of a solved task
 
 
 @dataclass
@@ -142,7 +142,7 @@ class DPOConfig:
 
 @dataclass
 class WarmstartConfig:
-    steps: int = -1  # supervised steps on train answers before RL/DPO (at most); 0 skips; -1: embedded 4000 (DPO 1800)
+    steps: int = -1  # supervised steps on train answers before RL/DPO (at most); 0 skips; -1: embedded 4000 (DPO 900)
     lr: float = 1e-3  # the warm start's constant learning rate
     batch_size: int = 32  # examples per warm-start step, on one worker
     stop_accuracy: float = -1.0  # RL: stop at this greedy accuracy on 256 held-out train prompts; 0 no; -1: .4 embedded
