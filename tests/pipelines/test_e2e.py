@@ -19,6 +19,8 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
+from pipelines.sft import CHECK_EVERY
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
@@ -421,7 +423,7 @@ def test_the_warm_start_ends_once_held_out_training_prompts_reach_its_accuracy(t
                                                                              "warmstart/dev_accuracy"))
     assert checks[-1][0] < 1000 and checks[-1][1] >= 0.01 and all(v < 0.01 for _, v in checks[:-1]), checks
     assert f"reached warmstart.stop_accuracy=0.01 at step {checks[-1][0]}" in proc.stdout
-    assert [s for s, _ in checks] == list(range(100, checks[-1][0] + 1, 100))
+    assert [s for s, _ in checks] == list(range(CHECK_EVERY, checks[-1][0] + 1, CHECK_EVERY))
 
 
 def test_remax_with_dynamic_sampling_scores_the_kept_prompts_greedy_answers(tmp_path):
