@@ -190,14 +190,16 @@ def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions
         return out.last_hidden_state[0, to_device(at, device)]
     if not pack:
         out = model.base_model(input_ids=to_device(ids, device), attention_mask=to_device(mask, device),
-                               position_ids=to_device(positions, device), use_cache=False)
+                               position_ids=to_device(positions, device), use_cache=False,
+                               **varlen.given(model, positions, mask, device))
         rows, cols = valid.nonzero(as_tuple=True)  # row-major, the order of valid[valid]
         at = rows * ids.shape[1] + ids.shape[1] - width - 1 + cols  # into the [n * L] flattened rows
         return out.last_hidden_state.flatten(0, 1)[to_device(at, device)]
     real = mask.bool()
     at = (real.flatten().cumsum(0) - 1).view(real.shape)[:, -width - 1:-1][valid]  # into the packed row
-    out = model.base_model(input_ids=to_device(ids[real][None], device),
-                           position_ids=to_device(positions[real][None], device), use_cache=False)
+    packed = positions[real][None]
+    out = model.base_model(input_ids=to_device(ids[real][None], device), position_ids=to_device(packed, device),
+                           use_cache=False, **varlen.given(model, packed, None, device))
     return out.last_hidden_state[0, to_device(at, device)]
 
 

@@ -26,7 +26,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
+from engine.tensors import to_device
+
 NAME = "varlen"
+KWARG = "varlen_sequences"  # a forward's keyword that hands every layer `sequences`, found before it (`given`)
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -57,6 +60,23 @@ def sequences(position_ids: torch.Tensor | None,
         ends = torch.tensor([start.numel()], device=start.device)
         lengths = torch.cat([start.flatten().nonzero().squeeze(1), ends]).diff().to(torch.int32)
     return keep, torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0)), int(lengths.max())
+
+
+Found = tuple[torch.Tensor | None, torch.Tensor, int]
+
+
+def given(model: Any, position_ids: torch.Tensor | None, mask: torch.Tensor | None,
+          device: torch.device) -> dict[str, Found]:
+    """The keyword for a forward of `model` over rows with these position ids or padding mask
+    (`sequences`), on `device`; none unless the model runs this attention. Found before the
+    forward, on the host where the rows are: the compiled layers then trace whole, without the
+    graph break and the per-forward device sync of finding them inside (`_shared_sequences`)."""
+    if getattr(model.config, "_attn_implementation", None) != NAME:
+        return {}
+    if mask is not None and bool(mask.all()):  # what transformers hands the layers for unpadded rows
+        mask = None
+    keep, cu, longest = sequences(position_ids, mask)
+    return {KWARG: (None if keep is None else to_device(keep, device), to_device(cu, device), longest)}
 
 
 _last: list[Any] = []  # [source tensor, its version, rows, `sequences` of it]: the last forward's
@@ -111,15 +131,16 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         raise NotImplementedError("varlen attention has no dropout")
     if key.shape[2] != query.shape[2] or (attention_mask is not None and attention_mask.shape[-1] != key.shape[2]):
         raise NotImplementedError("varlen attention runs whole sequences, not decoding against a cache")
-    return causal(query, key, value, kwargs["position_ids"], attention_mask, scaling), None
+    return causal(query, key, value, kwargs["position_ids"], attention_mask, scaling, kwargs.get(KWARG)), None
 
 
 def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor | None,
-           mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+           mask: torch.Tensor | None, scale: float | None, found: Found | None = None) -> torch.Tensor:
     """Causal attention of each sequence (`sequences`) of rows q [B, heads, S, D], k/v
-    [B, kv_heads, S, D] -> [B, S, heads, D], zeros at padding."""
+    [B, kv_heads, S, D] -> [B, S, heads, D], zeros at padding. `found`: the forward's `sequences`,
+    computed before it (`given`); else found here, which breaks a compiled layer's graph."""
     b, heads, s, d = query.shape
-    keep, cu, longest = _shared_sequences(position_ids, mask, b)
+    keep, cu, longest = found or _shared_sequences(position_ids, mask, b)
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
     if keep is None:
         return _run(q, k, v, cu, longest, scale).view(b, s, heads, d)

@@ -9,6 +9,8 @@ from transformers import AutoModelForCausalLM
 from engine.train import varlen
 from engine.train.fsdp import forward_logprobs
 
+CPU = torch.device("cpu")
+
 
 def test_sequences_restart_at_position_zero_and_at_every_row():
     keep, cu, longest = varlen.sequences(torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]]), None)
@@ -43,6 +45,21 @@ def test_a_forwards_layers_share_one_scan_of_its_sequences():
         assert varlen._shared_sequences(frozen, None, 1) is not varlen._shared_sequences(frozen, None, 1)
 
 
+def test_the_trainer_finds_a_forwards_sequences_before_it_for_varlen_models_only(model_dir):
+    varlen_model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="varlen")
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    [(keep, cu, longest)] = varlen.given(varlen_model, pos, None, CPU).values()
+    assert keep is None and cu.tolist() == [0, 3, 5] and longest == 3
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    [(keep, cu, longest)] = varlen.given(varlen_model, torch.zeros(2, 3, dtype=torch.long), mask, CPU).values()
+    assert keep.tolist() == [1, 2, 3, 4, 5] and cu.tolist() == [0, 2, 5] and longest == 3
+    # no padding: transformers hands the layers no mask, so the rows are read off the position ids
+    [(keep, cu, _)] = varlen.given(varlen_model, torch.arange(3).expand(2, 3), torch.ones(2, 3), CPU).values()
+    assert keep is None and cu.tolist() == [0, 3, 6]
+    sdpa = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    assert varlen.given(sdpa, pos, None, CPU) == {}
+
+
 def test_varlen_is_chosen_only_where_its_kernel_runs():
     assert not varlen.available(torch.device("cpu"), torch.bfloat16)
     assert not varlen.available(torch.device("cuda"), torch.float32)
@@ -66,3 +83,23 @@ def test_varlen_forward_matches_sdpa_packed_and_padded(model_dir, dtype):
             scale = want.abs().max()
             assert (got - want).abs().max() < 2e-2 * scale, name
         assert torch.equal(runs[name][0] != 0, valid)  # every real response token, no padding
+
+
+@pytest.mark.gpu
+def test_compiled_layers_trace_whole_with_the_sequences_found_before_the_forward(model_dir):
+    """The trainer hands each forward's sequences to every layer: compiled decoder layers run
+    without a graph break, packed and padded, to the eager model's numbers."""
+    from torch._dynamo.utils import counters
+    ids, mask, pos, responses = padded_batch([3, 7, 1, 5, 12], [6, 2, 9, 4, 11])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="varlen").cuda()
+    for pack in (True, False):
+        want, _ = forward_logprobs(model, ids, mask, pos, responses, 0.7, pack)
+        for layer in model.model.layers:
+            layer.compile()
+        torch._dynamo.reset()
+        counters.clear()
+        got, _ = forward_logprobs(model, ids, mask, pos, responses, 0.7, pack)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert (got - want).abs().max() < 2e-2 * want.abs().max()
+        for layer in model.model.layers:
+            layer._compiled_call_impl = None  # back to eager for the next form's reference
