@@ -9,6 +9,10 @@ causal block, found from what transformers hands the attention layer:
   real tokens are each row's sequence, prompt left- and response right-padded.
 Only real tokens go through the kernel, so neither form computes a [T, T] score matrix or a
 block-diagonal mask; padding positions come out as zeros.
+The trainer finds these boundaries on the host before a forward and hands them to every layer
+(`given`, the `varlen_sequences` keyword): a compiled decoder layer then traces as one graph.
+Without it (another caller), the layers find them themselves, once per forward, at the cost of
+a device sync and a graph break in each layer.
 
 Invariants:
 - outputs equal SDPA's on the same rows (up to kernel rounding), packed or padded;
