@@ -21,7 +21,11 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
+import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -77,13 +81,37 @@ def forward_values(root: ValueModel, ids: torch.Tensor, mask: torch.Tensor, posi
     return scatter_valid(valid, root(ids, mask, positions, valid, pack))
 
 
+HEAD = "score."  # the token-classification head's parameters, absent from the policy's directory
+ROW = re.compile(r"^(\S+)\s+\|", re.M)  # a row of transformers' load report: "key | status | ..."
+
+
+class _HeadOnly(logging.Filter):
+    """Drops transformers' load report where every key it names is the head's: the report is a
+    warning, and a head the critic starts fresh is by design. Any other key keeps it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        keys = [k for k in ROW.findall(message) if k != "Key"]
+        return "LOAD REPORT" not in message or not keys or not all(k.startswith(HEAD) for k in keys)
+
+
+@contextmanager
+def fresh_head_unreported() -> Iterator[None]:
+    logger, quiet = logging.getLogger("transformers.modeling_utils"), _HeadOnly()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
 class Critic:
     def __init__(self, cfg: Config, model_path: str, rank: int = 0, world: int = 1, device: str = "cpu") -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         a = cfg.actor
         steps = cfg.trainer.total_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts)
-        with torch.random.fork_rng(devices=[]):  # the fresh head: the same on every rank and in every run
-            torch.manual_seed(cfg.trainer.seed)
+        with torch.random.fork_rng(devices=[]), fresh_head_unreported():  # the fresh head: the same on
+            torch.manual_seed(cfg.trainer.seed)  # every rank and in every run
             self.engine = TrainEngine(model_path, cfg.critic.lr, a.weight_decay, a.grad_clip, a.warmup_steps, steps,
                                       a.lr_schedule, cfg.model.dtype, device, root=ValueModel,
                                       checkpointing=a.activation_checkpointing, compile_layers=a.compile_layers,

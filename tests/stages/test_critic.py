@@ -3,6 +3,8 @@ advantages through the advantage stage."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
@@ -141,3 +143,30 @@ def test_gae_advantages_are_whitened_and_returns_are_the_critics_targets(model_d
     out = actor.update(critic.update(batch), loss)
     assert "actor/pg_loss" in out.metrics and out.weight_version == 1
     assert any(not torch.equal(v, policy[k]) for k, v in actor.engine.model.state_dict().items())
+
+
+def test_the_fresh_heads_load_report_is_dropped_and_any_other_kept(model_dir, tmp_path, caplog):
+    """transformers warns with a table of the keys a load missed: the critic's head, absent from the
+    policy's directory by design, goes unreported; a key missing from the backbone still shows."""
+    from safetensors.torch import load_file, save_file
+
+    from stages.critic import fresh_head_unreported
+
+    def reports() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+
+    with caplog.at_level("WARNING", logger="transformers.modeling_utils"):
+        AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1)
+        assert len(reports()) == 1 and "score.weight" in reports()[0]  # what a user saw on every PPO start
+        caplog.clear()
+        with fresh_head_unreported():
+            AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1)
+        assert reports() == []
+        broken = tmp_path / "broken"
+        shutil.copytree(model_dir, broken)
+        weights = load_file(broken / "model.safetensors")
+        save_file({k: v for k, v in weights.items() if "layers.0.mlp.up_proj" not in k}, broken / "model.safetensors",
+                  metadata={"format": "pt"})
+        with fresh_head_unreported():
+            AutoModelForTokenClassification.from_pretrained(broken, num_labels=1)
+        assert len(reports()) == 1 and "up_proj" in reports()[0]
