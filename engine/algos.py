@@ -413,17 +413,28 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
 
 
 def dpo_loss(
-    chosen_logp: Tensor, rejected_logp: Tensor, ref_chosen_logp: Tensor, ref_rejected_logp: Tensor, beta: float
+    chosen_logp: Tensor, rejected_logp: Tensor, ref_chosen_logp: Tensor, ref_rejected_logp: Tensor, beta: float,
+    chosen_tokens: Tensor | None = None, nll_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """DPO (Rafailov et al., 2023): ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))``, batch mean.
 
     Inputs [B]: summed response logprobs of each pair's chosen and rejected answer under the
     policy and the frozen reference. Metrics are the implicit rewards ``beta * (pi - ref)``.
+
+    With `nll_coef`, plus that times the chosen answers' negative logprob per token (`chosen_tokens`
+    [B] of each), batch mean: RPO's term (Pang et al., 2024), which keeps DPO from widening the
+    margin by lowering the chosen answers' likelihood along with the rejected ones'.
     """
     chosen = beta * (chosen_logp - ref_chosen_logp)  # [B]
     rejected = beta * (rejected_logp - ref_rejected_logp)  # [B]
     loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
-    metrics = {
+    extra = {}
+    if nll_coef:
+        assert chosen_tokens is not None, "the NLL term is per token: pass each chosen answer's token count"
+        nll = (-chosen_logp / chosen_tokens.clamp(min=1)).mean()
+        loss = loss + nll_coef * nll
+        extra["nll"] = nll
+    metrics = {**extra,
         "rewards/chosen": chosen.mean(),
         "rewards/rejected": rejected.mean(),
         "rewards/margin": (chosen - rejected).mean(),

@@ -138,6 +138,7 @@ class RewardConfig:
 @dataclass
 class DPOConfig:
     beta: float = 0.1  # `rlflow dpo`: strength of the implicit KL anchor to the reference policy
+    nll_coef: float = 0.0  # weight of the chosen answers' mean token NLL added to the DPO loss (RPO); 0: plain DPO
 
 
 @dataclass
@@ -510,6 +511,8 @@ def _validate_scoring(cfg: Config) -> None:
     rw = cfg.reward
     if cfg.dpo.beta <= 0:
         raise ConfigError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
+    if cfg.dpo.nll_coef < 0:
+        raise ConfigError(f"dpo.nll_coef must be >= 0, got {cfg.dpo.nll_coef}")
     if rw.model_weight < 0 or rw.rule_weight < 0:
         raise ConfigError(f"reward.model_weight and reward.rule_weight must be >= 0; got {rw.model_weight}, "
                           f"{rw.rule_weight}")

@@ -229,7 +229,7 @@ class Preference:
     max_staleness: int | None = None
 
     def __init__(self, cfg: Config) -> None:
-        self.beta, self.workers = cfg.dpo.beta, cfg.placement.workers
+        self.beta, self.nll_coef, self.workers = cfg.dpo.beta, cfg.dpo.nll_coef, cfg.placement.workers
         self.pairs_per_step = cfg.actor.mini_batch_prompts
         self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, cfg.actor.pack_sequences
 
@@ -267,8 +267,9 @@ class Preference:
         mask = mini.loss_mask[r].to(logp.device)
         seq = (logp * mask).sum(1).view(-1, 2)  # [b, 2]: chosen, rejected
         ref_seq = (mini.ref_logprobs[r].to(logp.device) * mask).sum(1).view(-1, 2)
-        loss, m = algos.dpo_loss(seq[:, 0], seq[:, 1], ref_seq[:, 0], ref_seq[:, 1], self.beta)
+        loss, m = algos.dpo_loss(seq[:, 0], seq[:, 1], ref_seq[:, 0], ref_seq[:, 1], self.beta,
+                                 mask.sum(1).view(-1, 2)[:, 0], self.nll_coef)
         b = len(seq)
-        for key, value in {"loss": loss.detach(), **{DPO_NAMES[k]: v for k, v in m.items()}}.items():
+        for key, value in {"loss": loss.detach(), **{DPO_NAMES.get(k, k): v for k, v in m.items()}}.items():
             sums[key] = sums.get(key, 0.0) + float(value) * b
         return loss * b / denom

@@ -453,6 +453,12 @@ def test_dpo_loss_and_reward_stats() -> None:
     close(metrics["rewards/rejected"], 0.125)
     close(metrics["rewards/margin"], -0.25)
     close(metrics["rewards/accuracy"], 0.5)
+    assert "nll" not in metrics
+    # RPO's term: chosen NLL per token, [1/2, 3/3] -> mean 0.75, times 2 on top of the same DPO loss
+    with_nll, metrics = dpo_loss(torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0]), torch.tensor([-1.5, -2.0]),
+                                 torch.tensor([-1.5, -2.0]), beta=0.5, chosen_tokens=torch.tensor([2, 3]), nll_coef=2.0)
+    close(with_nll, 0.8936695 + 1.5)
+    close(metrics["nll"], 0.75)
 
 
 # ---------------------------------------------------------------- KL
