@@ -43,16 +43,19 @@ def test_dpo_run_widens_the_margin_logs_and_exports(dpo_run):
     assert run.data.params["dpo.beta"] == "0.1" and run.data.params["algorithm.name"] == "dpo"
     m = {k: dict(v) for k, v in history(client, run.info.run_id).items()}
     for key in ("dpo/loss", "dpo/reward_margin", "dpo/reward_accuracy", "dpo/chosen_reward", "dpo/rejected_reward",
-                "dpo/grad_norm", "timing_s/ref", "timing_s/update_actor", "timing_s/step"):
+                "dpo/nll", "dpo/grad_norm", "timing_s/ref", "timing_s/update_actor", "timing_s/step"):
         assert sorted(m[key]) == list(range(1, 9)), key
-    for key in ("val/loss", "val/reward_margin", "val/reward_accuracy", "val/chosen_reward", "val/rejected_reward"):
+    for key in ("val/loss", "val/reward_margin", "val/reward_accuracy", "val/chosen_reward", "val/rejected_reward",
+                "val/nll"):
         assert sorted(m[key]) == [0, 4, 8], key
-    # before any update the policy is the reference: every implicit reward is 0 and the loss is ln 2
-    assert m["val/loss"][0] == pytest.approx(math.log(2), abs=1e-6) and m["val/reward_margin"][0] == 0
-    assert m["dpo/loss"][1] == pytest.approx(math.log(2), abs=1e-6) and m["dpo/reward_margin"][1] == 0
+    # before any update the policy is the reference: every implicit reward is 0 and the DPO part of
+    # the loss is ln 2; conf/dpo.yaml adds the chosen answers' NLL (dpo.nll_coef=1)
+    assert run.data.params["dpo.nll_coef"] == "1.0" and m["val/nll"][0] > 0
+    assert m["val/loss"][0] - m["val/nll"][0] == pytest.approx(math.log(2), abs=1e-5) and m["val/reward_margin"][0] == 0
+    assert m["dpo/loss"][1] - m["dpo/nll"][1] == pytest.approx(math.log(2), abs=1e-5) and m["dpo/reward_margin"][1] == 0
     margins = [m["dpo/reward_margin"][s] for s in range(1, 9)]
     # the training pairs' margin widens (the first update at lr 1e-3 may overshoot it below 0)
-    assert margins[-1] > margins[3] > max(margins[1], 0), margins
+    assert margins[-1] > max(margins[3], 0) and margins[3] > margins[1], margins
     assert m["dpo/reward_accuracy"][8] > 0.5
     assert m["data/kept"][0] == 16
     out = tmp_path / "out"
