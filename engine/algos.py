@@ -428,18 +428,16 @@ def dpo_loss(
     chosen = beta * (chosen_logp - ref_chosen_logp)  # [B]
     rejected = beta * (rejected_logp - ref_rejected_logp)  # [B]
     loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
-    extra = {}
-    if nll_coef:
-        assert chosen_tokens is not None, "the NLL term is per token: pass each chosen answer's token count"
-        nll = (-chosen_logp / chosen_tokens.clamp(min=1)).mean()
-        loss = loss + nll_coef * nll
-        extra["nll"] = nll
-    metrics = {**extra,
+    metrics = {
         "rewards/chosen": chosen.mean(),
         "rewards/rejected": rejected.mean(),
         "rewards/margin": (chosen - rejected).mean(),
         "rewards/accuracy": (chosen > rejected).to(chosen.dtype).mean(),
     }
+    if nll_coef:
+        assert chosen_tokens is not None, "the NLL term is per token: pass each chosen answer's token count"
+        metrics["nll"] = (-chosen_logp / chosen_tokens.clamp(min=1)).mean()
+        loss = loss + nll_coef * metrics["nll"]
     return loss, {k: v.detach() for k, v in metrics.items()}
 
 

@@ -217,7 +217,7 @@ class Supervised:
 
 
 DPO_NAMES = {"rewards/chosen": "chosen_reward", "rewards/rejected": "rejected_reward",
-             "rewards/margin": "reward_margin", "rewards/accuracy": "reward_accuracy"}
+             "rewards/margin": "reward_margin", "rewards/accuracy": "reward_accuracy", "nll": "nll"}
 
 
 class Preference:
@@ -270,6 +270,6 @@ class Preference:
         loss, m = algos.dpo_loss(seq[:, 0], seq[:, 1], ref_seq[:, 0], ref_seq[:, 1], self.beta,
                                  mask.sum(1).view(-1, 2)[:, 0], self.nll_coef)
         b = len(seq)
-        for key, value in {"loss": loss.detach(), **{DPO_NAMES.get(k, k): v for k, v in m.items()}}.items():
+        for key, value in {"loss": loss.detach(), **{DPO_NAMES[k]: v for k, v in m.items()}}.items():
             sums[key] = sums.get(key, 0.0) + float(value) * b
         return loss * b / denom
