@@ -26,7 +26,8 @@ def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def fused(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` compiled by inductor when its first argument is on CUDA, eager otherwise.
+    """`fn` compiled by inductor when its first argument is on CUDA, eager otherwise. (The rollout
+    engine's norms, RoPE and gating run Triton kernels instead where those run: bf16 and fp16.)
 
     Decode at a few hundred rows is launch-bound: RMSNorm, RoPE and SiLU-gating are chains of
     tiny elementwise kernels, each costing microseconds; fused they are one kernel apiece.

@@ -146,6 +146,7 @@ class RowLinear(nn.Linear):
         return out
 
 
+@kernels.instead(kernels.rms_norm)
 @fused
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' numerics: normalize in float32, cast back, then scale."""
@@ -154,6 +155,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+@kernels.instead(kernels.add_rms_norm)
 @fused
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +166,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return weight * f.to(x.dtype), h
 
 
+@kernels.instead(kernels.rope)
 @fused
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE on q [B, S, H, D] and k [B, S, KV, D]; cos/sin [B, S, 1, D]."""
@@ -173,6 +176,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return rotate(q), rotate(k)
 
 
+@kernels.instead(kernels.silu_mul)
 @fused
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, -1)

@@ -1,9 +1,11 @@
 """The Triton decode kernels against the eager paths they replace, on a GPU."""
 
+import inspect
+
 import pytest
 import torch
 
-from engine.rollout import kernels
+from engine.rollout import kernels, model
 from engine.rollout.model import decode_attention, decode_mask
 
 pytestmark = pytest.mark.gpu
@@ -62,3 +64,41 @@ def test_categorical_sample_over_a_real_vocabulary():
     freq = torch.bincount(tokens, minlength=V).float() / n
     p = want[hot]
     assert ((freq[hot] - p).abs() <= 4 * (p * (1 - p) / n).sqrt()).all(), (freq[hot], p)
+
+
+def eager(fn):
+    return inspect.unwrap(fn)  # the plain torch function under the kernel and the compiler
+
+
+@pytest.mark.parametrize("rows,tokens,width", [(1, 1, 896), (37, 1, 896), (2, 19, 3584), (5, 3, 64)])
+def test_norms_and_gating_match_eager(rows, tokens, width):
+    g = torch.Generator("cuda").manual_seed(0)
+    x, residual = (torch.randn(rows, tokens, width, device="cuda", generator=g).bfloat16() for _ in range(2))
+    weight = torch.randn(width, device="cuda", generator=g).bfloat16()
+    out, total = kernels.add_rms_norm(x, residual, weight, 1e-6)
+    want, want_total = eager(model.add_rms_norm)(x, residual, weight, 1e-6)
+    assert torch.equal(total, want_total)  # the residual sum, rounded once as torch does
+    torch.testing.assert_close(out, want)  # within a bf16 rounding: rsqrt and the sum's order
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), eager(model.rms_norm)(x, weight, 1e-6))
+    gate_up = torch.randn(rows, tokens, 2 * width, device="cuda", generator=g).bfloat16()
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == (rows, tokens, width)
+    torch.testing.assert_close(got, eager(model.silu_mul)(gate_up))
+
+
+@pytest.mark.parametrize("rows,tokens,heads,kv_heads,dim,shared", [(37, 1, 14, 2, 64, False),
+                                                                    (2, 19, 28, 4, 128, False),
+                                                                    (3, 5, 4, 4, 64, True)])
+def test_rope_matches_eager_on_views_of_the_projection(rows, tokens, heads, kv_heads, dim, shared):
+    """q and k as the attention makes them (views into one qkv row, not contiguous); cos and sin
+    per row, or one row's for all (`shared`, read at stride 0)."""
+    g = torch.Generator("cuda").manual_seed(1)
+    qkv = torch.randn(rows, tokens, (heads + 2 * kv_heads) * dim, device="cuda", generator=g).bfloat16()
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+    q, k = q.view(rows, tokens, heads, dim), k.view(rows, tokens, kv_heads, dim)
+    cos, sin = torch.randn(2, 1 if shared else rows, tokens, 1, dim, device="cuda", generator=g).bfloat16()
+    got = kernels.rope(q, k, cos, sin)
+    exact = eager(model.rope)(q.float(), k.float(), cos.float(), sin.float())  # bf16 eager rounds 3 times
+    for a, b in zip(got, exact):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.float(), b, atol=1e-6, rtol=2**-8)  # one bf16 rounding of the exact value

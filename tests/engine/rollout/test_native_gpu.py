@@ -194,3 +194,24 @@ def test_continued_sequences_on_the_graph_path(model_dir, dtype):
         assert same >= 0.8 * len(turn2), same
         first_lp = torch.tensor([a[0].logprobs[0] for a in got]), torch.tensor([b[0].logprobs[0] for b in want])
         torch.testing.assert_close(*first_lp, atol=0.1, rtol=0.1)
+
+
+def test_a_bf16_engine_traces_nothing(model_dir):
+    """On CUDA in bf16, every decode and prefill kernel is a Triton kernel of its own: a process's
+    first generation compiles no graph with dynamo, whatever the row counts (its cost at every
+    start of a run, a resumed one included)."""
+    from torch._dynamo.utils import counters
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = NativeRollout(NativeCausalLM.from_pretrained(model_dir, torch.bfloat16, "cuda"), tok,
+                           max_slots=16, max_len=64)
+    torch._dynamo.reset()
+    counters.clear()
+    prompts = [tok.encode(t) for t in TEXTS[:20]]
+    params = SamplingParams(temperature=1.0, n=2, max_new_tokens=12, seed=0, limits=[4 + i % 9 for i in range(20)])
+    out = engine.generate(prompts, params)
+    assert all(len(s.token_ids) > 0 for row in out for s in row)
+    # greedy: the decode graphs without the sampler, then eager sampling
+    greedy = engine.generate(prompts[:3], SamplingParams(temperature=0, max_new_tokens=5))
+    assert len(greedy) == 3
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
