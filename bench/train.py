@@ -50,7 +50,8 @@ from shapes import QWEN25, free_port, model_dir, profile, timed  # bench/shapes.
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import algos
-from engine.train.fsdp import TrainEngine, attn_implementation, forward_logprobs, micro_batches
+from engine.train.batching import micro_batches
+from engine.train.fsdp import TrainEngine, attn_implementation, forward_logprobs
 
 SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,

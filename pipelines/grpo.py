@@ -54,7 +54,7 @@ from engine.batch import Batch, RolloutRequest, Update
 from engine.config import Config
 from engine.data.prompts import Prompt, PromptLoader, load_prompts
 from engine.tracking import Tracker
-from engine.train.fsdp import balance
+from engine.train.batching import balance
 from engine.train.losses import PolicyGradient
 from pipelines import driver
 from pipelines.runtime import (

@@ -40,11 +40,11 @@ from engine import algos
 from engine.batch import Batch
 from engine.config import Config
 from engine.tensors import to_device
+from engine.train.batching import micro_batches
 from engine.train.fsdp import (
     TrainEngine,
     all_reduce_sum,
     in_step,
-    micro_batches,
     response_hidden,
     scatter_valid,
     step_metrics,

@@ -19,7 +19,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from engine.tensors import left_pad
-from engine.train.fsdp import DTYPES, micro_batches
+from engine.train.batching import micro_batches
+from engine.train.fsdp import DTYPES
 
 
 class RewardModel:

@@ -52,7 +52,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.attention.flex_attention import BlockMask
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
@@ -61,10 +60,11 @@ from engine import algos
 from engine.checkpoint import load_shards
 from engine.tensors import consecutive_group, fused, to_device
 from engine.train import ulysses, varlen
+from engine.train.batching import micro_batches
 from engine.train.lora import LoraConfig, add_adapters
+from engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-FLEX_BLOCK = 128  # flex attention's default block size (create_block_mask's BLOCK_SIZE)
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
 
 
@@ -78,61 +78,6 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
     return fn
-
-
-def micro_batches(mask: torch.Tensor, budget: int, pack: bool, group_size: int = 1,
-                  prompt_width: int = 0) -> list[torch.Tensor]:
-    """Row indices of each micro-batch of `mask` [N, L]: packed, sequences grouped by real length
-    (first-fit decreasing); padded, consecutive rows of rows x L <= budget (>= 1 row).
-
-    With `prompt_width` (shared prompts, `shared_prompt_row`), each run of `group_size` rows shares
-    the prompt in its first `prompt_width` columns: groups are packed whole, counting their prompt
-    once; a group over the budget is split, each part counting the prompt again."""
-    if not prompt_width:
-        if pack:
-            return [torch.tensor(rows) for rows in first_fit_decreasing(mask.sum(1).tolist(), budget)]
-        per = max(1, budget // mask.shape[1])
-        return [torch.arange(i, min(i + per, len(mask))) for i in range(0, len(mask), per)]
-    real, prompt = mask.sum(1).tolist(), mask[:, :prompt_width].sum(1).tolist()
-    parts: list[list[int]] = []  # rows that share one copy of their prompt
-    sizes: list[int] = []  # their tokens
-    for first in range(0, len(mask), group_size):
-        for r in range(first, min(first + group_size, len(mask))):
-            extra = real[r] - prompt[r]  # the row's response, after its group's prompt
-            if r == first or sizes[-1] + extra > budget:
-                parts.append([])
-                sizes.append(prompt[r])
-            parts[-1].append(r)
-            sizes[-1] += extra
-    return [torch.tensor([r for i in sorted(bin_) for r in parts[i]]) for bin_ in first_fit_decreasing(sizes, budget)]
-
-
-def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
-    """Indices of `sizes` in bins of total <= budget; an item larger than the budget gets its own bin."""
-    bins: list[list[int]] = []
-    loads: list[int] = []
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        fit = next((b for b, load in enumerate(loads) if load + sizes[i] <= budget), None)
-        if fit is None:
-            bins.append([])
-            loads.append(0)
-            fit = len(bins) - 1
-        bins[fit].append(i)
-        loads[fit] += sizes[i]
-    return bins
-
-
-def balance(loads: list[float], parts: int) -> list[list[int]]:
-    """Indices of `loads` in `parts` parts of equal count (len divisible by parts) with near-equal
-    sums: heaviest first, each onto the lightest part that still has room (greedy largest-first)."""
-    size = len(loads) // parts
-    out: list[list[int]] = [[] for _ in range(parts)]
-    sums = [0.0] * parts
-    for i in sorted(range(len(loads)), key=lambda i: -loads[i]):
-        part = min((p for p in range(parts) if len(out[p]) < size), key=lambda p: sums[p])
-        out[part].append(i)
-        sums[part] += loads[i]
-    return out
 
 
 def all_reduce_sums(values: list[float]) -> list[float]:
@@ -201,104 +146,6 @@ def response_hidden(model: Any, ids: torch.Tensor, mask: torch.Tensor, positions
     out = model.base_model(input_ids=to_device(ids[real][None], device), position_ids=to_device(packed, device),
                            use_cache=False, **varlen.given(model, packed, None, device))
     return out.last_hidden_state[0, to_device(at, device)]
-
-
-def shared_prompt_row(ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                      valid: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Rows [n, L] (prompt left-, response right-padded; valid [n, R] the response mask) as one
-    packed row that holds each distinct prompt once, each row's response after it: (token ids [T],
-    position ids [T], each token's group [T] and row [T] (-1 for a prompt token), and the indices
-    [M] of the tokens that predict the valid response tokens, row-major as valid[valid]).
-
-    Under `shared_prompt_mask` a response attends to its prompt and itself, causally, so every
-    hidden state equals the one of its own sequence: a prompt token never sees a response."""
-    n, length = ids.shape
-    cut = length - valid.shape[1]  # where the responses start
-    real = mask.bool()
-    _, group_of = torch.unique(ids[:, :cut].masked_fill(~real[:, :cut], -1), dim=0, return_inverse=True)
-    tokens, pos, group, row, at = [], [], [], [], []
-    last: dict[int, int] = {}  # group -> position of its prompt's last token in the packed row
-
-    def append(r: int, cols: slice, keep: torch.Tensor, g: int, owner: int) -> int:
-        """Row r's kept tokens in `cols`, as group g's and `owner`'s; how many."""
-        count = int(keep.sum())
-        tokens.append(ids[r, cols][keep])
-        pos.append(positions[r, cols][keep])
-        group.append(torch.full((count,), g))
-        row.append(torch.full((count,), owner))
-        return count
-
-    size = 0
-    for r in range(n):
-        g = int(group_of[r])
-        if g not in last:  # the group's prompt, once
-            size += append(r, slice(None, cut), real[r, :cut], g, -1)
-            last[g] = size - 1
-        start = size
-        size += append(r, slice(cut, None), valid[r], g, r)
-        if size > start:  # a response's first token follows its prompt's last, each next one its predecessor
-            at.append(torch.tensor([last[g], *range(start, size - 1)]))
-    return (torch.cat(tokens), torch.cat(pos), torch.cat(group), torch.cat(row),
-            torch.cat(at) if at else torch.zeros(0, dtype=torch.long))
-
-
-def pad_to_blocks(tokens: torch.Tensor, pos: torch.Tensor, group: torch.Tensor, row: torch.Tensor,
-                  block: int = FLEX_BLOCK) -> tuple[torch.Tensor, ...]:
-    """`shared_prompt_row`'s row padded to a whole number of flex attention's blocks. The padding
-    is a group of its own (-1): it sees only itself, and no real token sees it. Unpadded, the last
-    block's mask would be evaluated past the row's end, beyond `group` and `row`."""
-    extra = -len(tokens) % block
-    if not extra:
-        return tokens, pos, group, row
-    return (torch.cat([tokens, tokens.new_zeros(extra)]), torch.cat([pos, pos.new_zeros(extra)]),
-            torch.cat([group, group.new_full((extra,), -1)]), torch.cat([row, row.new_full((extra,), -1)]))
-
-
-def shared_prompt_mask(group: torch.Tensor, row: torch.Tensor, flex: bool) -> BlockMask | torch.Tensor:
-    """The attention mask of `shared_prompt_row`: a token sees the earlier tokens of its group's
-    prompt and of its own row. For flex attention a block mask, which skips the blocks nobody sees;
-    else (SDPA: the CPU, where flex attention has no backward) a dense [1, 1, T, T] bool mask."""
-    def allowed(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        return (k <= q) & (group[q] == group[k]) & ((row[k] < 0) | (row[q] == row[k]))
-
-    if flex:
-        return shared_block_mask(group, row, lambda b, h, q, k: allowed(q, k))
-    at = torch.arange(len(group), device=group.device)
-    return allowed(at[:, None], at[None, :])[None, None]
-
-
-def shared_block_mask(group: torch.Tensor, row: torch.Tensor, mask_mod: Callable[..., torch.Tensor]) -> BlockMask:
-    """The block mask of a shared row padded to whole blocks (`pad_to_blocks`), judged per pair of
-    blocks from the span of groups and rows each holds, instead of at every token pair as
-    create_block_mask does: compiled, that costs a build of Triton kernels for every new row
-    length (over 40 s each on an H200, the stall of shared prompts on mixed lengths); eager, a
-    [T, T] mask. Key block j <= query block i is skipped when no token of one can see a token of
-    the other: their group spans do not meet, or the key block holds only responses whose rows
-    the query block's do not meet. It is full when every token pair sees: j < i, one group,
-    and the key block all prompt, or both blocks one same row. Otherwise `mask_mod` decides each
-    pair. Spans over-cover a group or row split across the row, which costs compute, never a
-    wrong token."""
-    n = len(group) // FLEX_BLOCK
-    g, r = group.view(n, FLEX_BLOCK), row.view(n, FLEX_BLOCK)
-    response = r >= 0
-    lo, hi = g.amin(1), g.amax(1)
-    rlo = torch.where(response, r, torch.iinfo(r.dtype).max).amin(1)
-    rhi = torch.where(response, r, -1).amax(1)
-    has_prompt, all_prompt = (~response).any(1), ~response.any(1)
-    one_row = ~has_prompt & (rlo == rhi)
-    q, k = torch.arange(n, device=group.device)[:, None], torch.arange(n, device=group.device)[None, :]
-    meet = lambda a, b: (a[:, None] <= b[None, :]) & (a[None, :] <= b[:, None])  # noqa: E731  # spans overlap
-    seen = (k <= q) & meet(lo, hi) & (has_prompt[None, :] | meet(rlo, rhi))
-    same_group = (lo == hi)[:, None] & (lo == hi)[None, :] & (lo[:, None] == lo[None, :])
-    same_row = one_row[:, None] & one_row[None, :] & (rlo[:, None] == rlo[None, :])
-    full = (k < q) & same_group & (all_prompt[None, :] | same_row)
-
-    def listed(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # counts [1, 1, n], indices [1, 1, n, n]
-        order = torch.argsort((~blocks).to(torch.int8), dim=1, stable=True)
-        return blocks.sum(1, dtype=torch.int32)[None, None], order.to(torch.int32)[None, None]
-
-    return BlockMask.from_kv_blocks(*listed(seen & ~full), *listed(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(len(group), len(group)))
 
 
 def scatter_valid(valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from engine import algos
 from engine.batch import Batch
 from engine.config import Config
 from engine.tensors import to_device
+from engine.train.batching import micro_batches
 from engine.train.fsdp import (
     Policy,
     TrainEngine,
@@ -40,7 +41,6 @@ from engine.train.fsdp import (
     all_reduce_sums,
     forward_logprobs,
     in_step,
-    micro_batches,
     step_metrics,
 )
 

@@ -7,19 +7,9 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from engine import algos
-from engine.train.fsdp import (
-    TrainEngine,
-    balance,
-    chunked_token_stats,
-    first_fit_decreasing,
-    forward_logprobs,
-    lr_lambda,
-    micro_batches,
-    pad_to_blocks,
-    shared_prompt_mask,
-    shared_prompt_row,
-    step_metrics,
-)
+from engine.train.batching import balance, first_fit_decreasing, micro_batches
+from engine.train.fsdp import TrainEngine, chunked_token_stats, forward_logprobs, lr_lambda, step_metrics
+from engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
 
 
 def test_padded_micro_batches_respect_budget_and_cover_rows():
