@@ -12,7 +12,7 @@ length in [L/3, L):
 - `triton`: ours (engine/rollout/kernels.py; it also writes the step's K/V).
 Each is checked against `written-out`, captured in a CUDA graph and replayed; the floor is the
 live K/V read once at --hbm-tbps. Sampling from [rows, vocab] bf16 logits at temperature 1:
-engine/rollout/native.sample's eager path (Gumbel noise, compiled pick) and its Triton path, called
+engine/rollout/sampling.sample's eager path (Gumbel noise, compiled pick) and its Triton path, called
 plainly (host launches included), and the Triton sampler replayed in a CUDA graph, as the engine's
 decode graphs run it. On CPU only `written-out` and the eager
 sampler run: a smoke run.
@@ -31,7 +31,7 @@ from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] 
 from engine.rollout import kernels
 from engine.rollout.base import SamplingParams
 from engine.rollout.model import decode_attention, decode_mask
-from engine.rollout.native import sample
+from engine.rollout.sampling import sample
 
 SHAPES = {**QWEN25, "tiny": TINY}
 

@@ -28,7 +28,7 @@ comparison.
   row width changes from layer to layer (inductor, through `fused`, would make it symbolic).
 
 Invariants:
-- the same math as the eager paths (engine/rollout/model.decode_attention, engine/rollout/native.sample,
+- the same math as the eager paths (engine/rollout/model.decode_attention, engine/rollout/sampling.sample,
   the functions `instead` replaces) up to rounding: fp32 scores, softmax and elementwise math, one
   rounding to the dtype at the end (the norms round where transformers does); `quantize_fp8`
   gives `fp8.quantize_rows`' bits (IEEE division, round to nearest even);

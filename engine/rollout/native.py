@@ -62,7 +62,8 @@ from engine.rollout import kernels
 from engine.rollout.base import Completion, Feed, Request, SamplingParams, limits_of, stop_ids
 from engine.rollout.histories import Histories
 from engine.rollout.model import KVCache, NativeCausalLM, head_dim
-from engine.tensors import fused, to_device
+from engine.rollout.sampling import plain, sample
+from engine.tensors import to_device
 
 
 @dataclass
@@ -78,53 +79,6 @@ class _Seq:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # per token, the weights version of its step
     finish: str = ""  # "" while running, then "stop" | "length"
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask to -inf what top-k / top-p exclude from sampling; logits [B, V] already tempered."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, -1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, order = logits.sort(-1, descending=True)
-        probs = ordered.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keeps the smallest prefix reaching top_p (≥ 1 token)
-        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
-    return logits
-
-
-@fused
-def gumbel_pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draw from softmax(logits / T) as argmax(logits / T + Gumbel noise) (the Gumbel-max trick)
-    and its logprob, in one pass over the vocabulary: logits and uniform noise [B, V]."""
-    scaled = logits.float() / temperature
-    tokens = (scaled - torch.log(-torch.log(noise))).argmax(-1)
-    return tokens, scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, -1)
-
-
-def plain(params: SamplingParams) -> bool:
-    """Sampling from the whole tempered distribution: no top-k/top-p filter, not greedy."""
-    return params.temperature > 0 and params.top_k == 0 and params.top_p == 1.0
-
-
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B]) from logits [B, V]; logprobs over the full vocabulary."""
-    if plain(params):
-        if kernels.available(logits):
-            inv_t = torch.full((1,), 1.0 / params.temperature, device=logits.device)
-            uniform = torch.rand(len(logits), generator=generator, device=logits.device)
-            return kernels.categorical_sample(logits, inv_t, uniform)
-        noise = torch.rand(logits.shape, generator=generator, device=logits.device)
-        return gumbel_pick(logits, noise, params.temperature)
-    scaled = logits.float() / (params.temperature or 1.0)
-    logp = torch.log_softmax(scaled, -1)
-    if params.temperature == 0:
-        tokens = logits.argmax(-1)
-    else:
-        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 class NativeRollout:

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.rollout.base import SamplingParams
 from engine.rollout.model import NativeCausalLM
-from engine.rollout.native import NativeRollout, filter_logits
+from engine.rollout.native import NativeRollout
+from engine.rollout.sampling import filter_logits
 
 TEXTS = ["1+1=", "12+7=", "3+4=", "99+99=", "5+"]
 
@@ -111,7 +112,7 @@ def test_unsupported_rope_scaling_is_refused(tok):
 
 
 def test_gumbel_sampling_follows_the_tempered_distribution():
-    from engine.rollout.native import sample
+    from engine.rollout.sampling import sample
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(40000, 4)
     params = SamplingParams(temperature=0.7)
