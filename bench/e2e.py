@@ -314,8 +314,8 @@ def read_metrics(uri: str, experiment: str = EXPERIMENT, finished: bool = True,
 
 
 def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, val: Path, work: Path,
-               name: str = "compiled DAG", variant: list[str] = ()) -> dict:
-    """One rlflow job, with the `--variant` settings `variant` where given."""
+               name: str, variant: list[str]) -> dict:
+    """One rlflow job named `name`, with the settings `variant` (one `--variant`'s) over the bench's."""
     slug = "".join(c if c.isalnum() else "_" for c in name)
     experiment = f"{EXPERIMENT}-{slug}"
     conf = work / f"rlflow_{slug}.yaml"
@@ -449,9 +449,7 @@ def bench_shape(shape: str, lengths: str, args: argparse.Namespace, cuda: bool) 
         print(f"{shape}, {lengths} lengths: {args.prompts} prompts x {args.samples} samples, {args.prompt_len} -> "
               f"{args.new} tokens{' at most' if args.mix else ''}, {dtype}, {args.steps} steps ({args.warmup} "
               f"warm-up), work dir {work}", flush=True)
-        rows = [run_rlflow(args, cuda, model, train, val, work, name, settings)
-                for name, settings in args.variants] if args.variants else [run_rlflow(args, cuda, model, train, val,
-                                                                                         work)]
+        rows = [run_rlflow(args, cuda, model, train, val, work, name, settings) for name, settings in args.variants]
         rows += [run_trl(args, cuda, mode, model, train, work) for mode in args.trl_modes]
         check_lengths(rows, args, train_prompt_ids(model, train))
     if len(args.variants) > 1:
@@ -506,7 +504,8 @@ def main() -> None:
     args.trl_modes = [m for m in args.trl_modes.split(",") if m]
     args.lengths = [m for m in args.lengths.split(",") if m]
     args.variants = [(name.strip(), settings.split()) for name, _, settings in map(lambda v: v.partition(":"),
-                                                                                   args.variant or [])]
+                                                                                   args.variant or [])] \
+        or [("compiled DAG", [])]  # no --variant: one job with the bench's settings
     if len({name for name, _ in args.variants}) != len(args.variants) or any(not n for n, _ in args.variants):
         raise SystemExit(f"--variant names must be given and differ: {[n for n, _ in args.variants]}")
     unknown = set(shapes) - set(SHAPES) | set(args.trl_modes) - set(TRL_MODES) | set(args.lengths) - {"fixed", "mix"}
