@@ -30,9 +30,8 @@ import yaml
 from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
-EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL: at most this many steps ...
+EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL or DPO: at most this many steps ...
 EMBEDDED_WARMSTART_ACCURACY = 0.4  # ... ending once its greedy accuracy on training problems reaches this
-EMBEDDED_DPO_WARMSTART_STEPS = 900  # before DPO, which measures no accuracy: a fixed count, short of a solved task
 
 
 @dataclass
@@ -143,10 +142,10 @@ class DPOConfig:
 
 @dataclass
 class WarmstartConfig:
-    steps: int = -1  # supervised steps on train answers before RL/DPO (at most); 0 skips; -1: embedded 4000 (DPO 900)
+    steps: int = -1  # supervised steps on train answers before RL/DPO (at most); 0 skips; -1: embedded 4000
     lr: float = 1e-3  # the warm start's constant learning rate
     batch_size: int = 32  # examples per warm-start step, on one worker
-    stop_accuracy: float = -1.0  # RL: stop at this greedy accuracy on 256 held-out train prompts; 0 no; -1: .4 embedded
+    stop_accuracy: float = -1.0  # end at this greedy accuracy on 256 held-out train rows; 0 no; -1: .4 embedded
 
 
 @dataclass
@@ -289,12 +288,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                           "command sets sft and dpo (`rlflow sft`, `rlflow dpo`); an RL run's name follows "
                           "algorithm.advantage and actor.policy_loss (advantage gae is ppo)")
     embedded = cfg.model.path == EMBEDDED
-    dpo = job == "dpo"
     if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained; SFT is the training itself
-        cfg.warmstart.steps = 0 if not embedded or job == "sft" else EMBEDDED_DPO_WARMSTART_STEPS if dpo else \
-            EMBEDDED_WARMSTART_STEPS
-    if cfg.warmstart.stop_accuracy == -1:  # auto: the embedded task's RL learns most from a weak, not random, start
-        cfg.warmstart.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded and job == "rl" else 0.0
+        cfg.warmstart.steps = 0 if not embedded or job == "sft" else EMBEDDED_WARMSTART_STEPS
+    if cfg.warmstart.stop_accuracy == -1:  # auto: the embedded task learns most from a weak, not random, start
+        cfg.warmstart.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded and job != "sft" else 0.0
     validate(cfg)
     return cfg
 

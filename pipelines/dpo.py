@@ -5,17 +5,19 @@ minimise -log sigmoid(beta * ((log pi(c|x) - log ref(c|x)) - (log pi(r|x) - log 
 log-probabilities summed over each answer's tokens, `ref` the frozen starting policy. The implicit
 reward of an answer is beta * (log pi - log ref); its chosen-minus-rejected margin and how often it
 is positive (`reward_accuracy`) are what the run tracks, on the training pairs (`dpo/*`, measured
-in the step's forward, before that mini-batch's update) and on held-out pairs (`val/*`). Dropped:
-label smoothing / IPO / conservative variants, an added SFT term, and precomputed reference
-logprobs (the reference recomputes them each step, next to the actor, as in GRPO's KL path).
+in the step's forward, before that mini-batch's update) and on held-out pairs (`val/*`).
+`dpo.nll_coef` adds the chosen answers' mean token NLL to the loss (RPO, Pang et al., 2024).
+Dropped: label smoothing / IPO / conservative variants, and precomputed reference logprobs (the
+reference recomputes them each step, next to the actor, as in GRPO's KL path).
 
 One step, per data-parallel rank (`step_graph`):
     pairs -> reference.logprobs -> policy.update with the `Preference` loss
 compiled into a Ray compiled graph (`trainer.dag=compiled`) or run as `.remote()` calls (`plain`).
 Validation, checkpoints, restarts and logging are the driver loop's (pipelines/driver.py),
 between executions. With the embedded
-model, the warm start is supervised training on the training pairs' chosen answers; on the
-embedded pairs those are the GRPO default's warm-start examples, in the same order.
+model, the warm start is supervised training on the training pairs' chosen answers (on the
+embedded pairs, the GRPO default's warm-start examples, in the same order), ending, as before
+RL, once greedy answers to 256 held-out pairs' prompts match their chosen answers often enough.
 
 Invariants:
 - a pair's two rows (chosen, then rejected: group_size 2) stay on one rank and in one micro-batch;
@@ -34,12 +36,12 @@ from transformers import AutoTokenizer
 
 from engine.batch import Batch, Update
 from engine.config import Config, override
-from engine.data.prompts import Example, Pair, PromptLoader, load_pairs, pairs_batch
+from engine.data.prompts import Example, Pair, Prompt, PromptLoader, load_pairs, pairs_batch
 from engine.tracking import Tracker
 from engine.train.losses import Preference
 from pipelines import driver
 from pipelines.runtime import SUBMIT, Stages, launch, wait
-from pipelines.sft import supervised
+from pipelines.sft import DEV_PROMPTS, hold_out, supervised
 from stages.policy import Policy
 from stages.reference import Reference
 
@@ -115,9 +117,22 @@ def load(cfg: Config, model_path: str, files: list[str]) -> tuple[list[Pair], di
 
 
 def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tracker) -> str:
-    """`warmstart.steps` supervised steps on the training pairs' chosen answers; returns the HF directory."""
+    """At most `warmstart.steps` supervised steps on the training pairs' chosen answers; with
+    `warmstart.stop_accuracy`, until greedy answers to held-out training pairs' prompts score that
+    accuracy against their chosen answers (the run's reward function scores them, as before RL).
+    Returns the HF directory."""
     pairs, _, pad_id = load(cfg, model_path, train_files)
-    return supervised(cfg, model_path, [Example(p.prompt, p.chosen) for p in pairs], pad_id, tracker)
+    examples, dev = [Example(p.prompt, p.chosen) for p in pairs], list[Prompt]()
+    if cfg.warmstart.stop_accuracy:
+        prompts = chosen_as_truth(pairs, AutoTokenizer.from_pretrained(model_path))
+        examples, dev = hold_out(examples, prompts, DEV_PROMPTS, cfg.trainer.seed)
+    return supervised(cfg, model_path, examples, pad_id, tracker, dev)
+
+
+def chosen_as_truth(pairs: list[Pair], tokenizer: Any) -> list[Prompt]:
+    """Each pair's prompt with its chosen answer's text as the ground truth, to score greedy answers against."""
+    return [Prompt(p.prompt, p.data_source, str(tokenizer.decode(p.chosen, skip_special_tokens=True)), None, p.text)
+            for p in pairs]
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:

@@ -44,7 +44,7 @@ from transformers import AutoTokenizer
 
 from engine.agents.env import offered_tools
 from engine.batch import Batch, Update
-from engine.config import Config, override
+from engine.config import Config, ConfigError, override
 from engine.data.prompts import Example, Prompt, PromptLoader, examples_batch, load_examples, load_prompts
 from engine.tracking import Tracker
 from engine.train.losses import Supervised
@@ -176,6 +176,11 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
     if (target / "config.json").is_file():
         print(f"warm-start: reusing {target}")
         return str(target)
+    if len(examples) < w.batch_size:
+        raise ConfigError(f"the warm start has {len(examples)} examples"
+                          + (f" once {len(dev)} prompts are held out to measure its accuracy" if dev else "")
+                          + f", fewer than warmstart.batch_size={w.batch_size}: lower it, or set "
+                          "warmstart.stop_accuracy=0 (no prompts held out) or warmstart.steps=0")
     # the warm start's own phase, from the warmstart section: the run's settings stay as they are
     ws_cfg = replace(
         cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant", sp=1,

@@ -188,8 +188,8 @@ def test_an_rl_runs_name_follows_its_settings(overrides, name):
 def test_the_command_sets_the_job(job):
     cfg = load_config(None, [f"algorithm.name={job}"], job=job)
     assert cfg.algorithm.name == job
-    assert load_config(None, [], job=job).warmstart.steps == {"sft": 0, "dpo": 900}[job]
-    assert load_config(None, [], job=job).warmstart.stop_accuracy == 0  # measured before RL only
+    assert load_config(None, [], job=job).warmstart.steps == {"sft": 0, "dpo": 4000}[job]
+    assert load_config(None, [], job=job).warmstart.stop_accuracy == {"sft": 0, "dpo": 0.4}[job]
     with pytest.raises(ConfigError, match=f"contradicts this run, which is '{job}'"):
         load_config(None, ["algorithm.name=grpo"], job=job)
     with pytest.raises(ConfigError, match="trains a critic"):

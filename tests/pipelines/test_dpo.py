@@ -12,12 +12,15 @@ from safetensors.torch import load_file
 from test_e2e import BIN, ROOT, env, history, only_run
 
 from engine.data import task
+from engine.data.prompts import load_pairs
+from pipelines.dpo import chosen_as_truth
 
 pytestmark = pytest.mark.slow
 # one step = one optimizer step over all 16 training pairs, so `dpo/*` at step s measures the
 # training set after s - 1 updates
 TINY = ("data.prompts_per_step=16", "actor.mini_batch_prompts=16", "data.val_max_prompts=32", "actor.lr=1e-3",
-        "warmstart.steps=20", "warmstart.batch_size=16", "trainer.total_steps=8", "trainer.val_every=4")
+        "warmstart.steps=20", "warmstart.batch_size=16", "warmstart.stop_accuracy=0", "trainer.total_steps=8",
+        "trainer.val_every=4")
 
 
 def rlflow_dpo(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
@@ -89,3 +92,32 @@ def test_two_workers_and_a_reference_pool_match_one_worker(dpo_run, tmp_path):
     for key, values in two.items():
         for step in set(values) & set(one[key]):  # validation ran at 0 and 2 here, at 0, 4 and 8 there
             assert values[step] == pytest.approx(one[key][step], rel=1e-4, abs=1e-6), (key, step)
+
+
+def test_the_warm_starts_held_out_pairs_score_their_chosen_answer_right_and_the_near_miss_wrong(tmp_path, model_dir):
+    """Before DPO the warm start stops on the greedy accuracy of held-out training pairs, scored
+    against their chosen answers by the run's reward (the embedded task's, by data_source)."""
+    from transformers import AutoTokenizer
+
+    files = task.build_pairs(tmp_path, n_train=64, n_val=1, seed=5)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    pairs, _ = load_pairs([files["train"]], tok, 64, 8)
+    prompts = chosen_as_truth(pairs, tok)
+    assert len(prompts) == len(pairs) == 64 and [p.ids for p in prompts] == [p.prompt for p in pairs]
+    for pair, prompt in zip(pairs, prompts):
+        answer = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        assert task.compute_score(prompt.data_source, answer(pair.chosen), prompt.ground_truth) == 1.0
+        assert task.compute_score(prompt.data_source, answer(pair.rejected), prompt.ground_truth) == 0.0
+
+
+def test_a_warm_start_left_with_fewer_examples_than_a_batch_is_refused(tmp_path):
+    from engine.config import ConfigError, load_config
+    from engine.data.prompts import Example, Prompt
+    from pipelines.sft import supervised
+
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "warmstart.batch_size=16"], job="dpo")
+    examples = [Example([1, 2], [3, 4])] * 8
+    dev = [Prompt([1, 2], "arith", "34", None, "")] * 8
+    with pytest.raises(ConfigError, match="the warm start has 8 examples once 8 prompts are held out to measure its "
+                                          "accuracy, fewer than warmstart.batch_size=16"):
+        supervised(cfg, "unused: refused before any stage starts", examples, 0, None, dev)  # type: ignore[arg-type]
