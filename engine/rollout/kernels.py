@@ -231,17 +231,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+def _norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the normed rows, x + residual); without a residual, the second is the first, not written twice."""
     N = x.shape[-1]
     assert weight.dtype == x.dtype and weight.is_contiguous(), "the kernel scales by a weight of the input's dtype"
     rows = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else out
     res = _rows(residual) if residual is not None else rows
+    block = triton.next_power_of_2(N)
     _rms_norm[(len(rows),)](rows, res, weight, out, total, N, rows.stride(0), res.stride(0), N, N, eps,
-                            ADD=residual is not None, BLOCK=triton.next_power_of_2(N),
-                            num_warps=min(8, max(1, triton.next_power_of_2(N) // 256)))
-    return (out, total) if residual is not None else (out,)
+                            ADD=residual is not None, BLOCK=block, num_warps=min(8, max(1, block // 256)))
+    return out, total
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -252,8 +254,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """engine/rollout/model.add_rms_norm: (rms_norm(x + residual), x + residual)."""
-    out, total = _norm(x, residual, weight, eps)
-    return out, total
+    return _norm(x, residual, weight, eps)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
