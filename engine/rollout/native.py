@@ -251,34 +251,49 @@ class NativeRollout:
                     self._advance(slots, tokens, admitted)
                     tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
                     self._lap("sample")
-                if any(lp != lp for lp in logprobs_list):  # NaN: sampling from it would be noise
-                    raise FloatingPointError("the policy's logits are NaN: its weights hold non-finite values")
-                retired: list[_Seq] = []
-                for seq, tok, lp in zip(stepped, tokens_list, logprobs_list):
-                    if seq.finish:  # retired after a step launched ahead of it: that step's token is void
-                        continue
-                    if seq.void:  # the step fed a prompt token: its sample is the next prompt token's place
-                        seq.void -= 1
-                        continue
-                    seq.tokens.append(tok)
-                    seq.logprobs.append(lp)
-                    seq.versions.append(version)
-                    seq.finish = self._finish(seq, stops, params)
-                    if seq.finish:
-                        retired.append(seq)
-                        finished.append((seq.key, Completion(seq.tokens, seq.logprobs, seq.finish,
-                                                             seq.versions if self.swap else [])))
+                retired = self._book(stepped, tokens_list, logprobs_list, version, stops, params, finished)
                 if admitted or retired:
                     running, rows = [s for s in running + admitted if not s.finish], None
-                if retired:  # idle rows decode on with kv_len 0: they scribble only on column 0
-                    self._keep(retired)
-                    self._kv_lens[to_device(torch.tensor([s.slot for s in retired]), self.device)] = 0
-                    free.extend(s.slot for s in retired)
-                if retired and running and not waiting and self.MOVE and self._compact(running, free, reserved):
-                    rows = None
+                if retired:
+                    self._retire(retired, running, bool(waiting), free, reserved)
                 self._lap("schedule")
         if finished:
             feed(finished, False)
+
+    def _book(self, stepped: list[_Seq], tokens: list[int], logprobs: list[float], version: int, stops: set[int],
+              params: SamplingParams, finished: list[tuple[Any, Completion]]) -> list[_Seq]:
+        """Append a step's token, logprob and weights version to each sequence it stepped (not to one
+        retired before the step was read, nor for a fed prompt token); returns the sequences that
+        finished, whose completions go to `finished`."""
+        if any(lp != lp for lp in logprobs):  # NaN: sampling from it would be noise
+            raise FloatingPointError("the policy's logits are NaN: its weights hold non-finite values")
+        retired: list[_Seq] = []
+        for seq, tok, lp in zip(stepped, tokens, logprobs):
+            if seq.finish:  # retired after a step launched ahead of it: that step's token is void
+                continue
+            if seq.void:  # the step fed a prompt token: its sample is the next prompt token's place
+                seq.void -= 1
+                continue
+            seq.tokens.append(tok)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            seq.finish = self._finish(seq, stops, params)
+            if seq.finish:
+                retired.append(seq)
+                finished.append((seq.key, Completion(seq.tokens, seq.logprobs, seq.finish,
+                                                     seq.versions if self.swap else [])))
+        return retired
+
+    def _retire(self, retired: list[_Seq], running: list[_Seq], waiting: bool, free: list[int],
+                reserved: dict[int, _Seq]) -> None:
+        """Free the retired sequences' slots, keeping what they hold (`_keep`); their rows decode on
+        idle, with kv_len 0, scribbling on column 0 only. While no request waits, the sequences still
+        `running` move down into freed slots (`_compact`)."""
+        self._keep(retired)
+        self._kv_lens[to_device(torch.tensor([s.slot for s in retired]), self.device)] = 0
+        free.extend(s.slot for s in retired)
+        if running and not waiting and self.MOVE:
+            self._compact(running, free, reserved)
 
     def _take(self, requests: list[Request] | None, params: SamplingParams, waiting: deque[_Seq],
               reserved: dict[int, _Seq]) -> bool:
@@ -419,20 +434,20 @@ class NativeRollout:
 
     MOVE = True  # whether running sequences move down as others retire (`_compact`); off only to measure it
 
-    def _compact(self, running: list[_Seq], free: list[int], reserved: dict[int, _Seq]) -> bool:
+    def _compact(self, running: list[_Seq], free: list[int], reserved: dict[int, _Seq]) -> None:
         """Move the running sequences above the row count that would cover them all into the lowest
-        free slots (none reserved), so that decode steps run over fewer rows as sequences retire;
-        True if any moved. Each mover swaps places with what its new slot holds: the K/V columns,
-        the decode inputs, a step's picks still to be read (a step launched ahead of this one
-        books them by slot), and a kept history, which goes on in the slot vacated. The copies
-        queue behind any step in flight."""
+        free slots (none reserved), so that decode steps run over fewer rows as sequences retire.
+        Each mover swaps places with what its new slot holds: the K/V columns, the decode inputs,
+        a step's picks still to be read (a step launched ahead of this one books them by slot),
+        and a kept history, which goes on in the slot vacated. The copies queue behind any step in
+        flight."""
         target = self._rows_for(len(running))
         movers = [s for s in running if s.slot >= target]
         if not movers:
-            return False
+            return
         room = sorted(f for f in free if f < target and f not in reserved)[:len(movers)]
         if len(room) < len(movers):
-            return False
+            return
         assert self.cache.k is not None and self.cache.v is not None
         width = min(self.max_len, max([len(s.prompt) + len(s.tokens) + 2 for s in movers]  # + a step in flight
                                       + [len(self.histories.get(f)) for f in room]))
@@ -454,7 +469,6 @@ class NativeRollout:
             free.insert(0, s.slot)  # taken last: admissions fill low slots first
             s.slot = slot
         self.moved += len(movers)
-        return True
 
     def _free_slot(self, free: list[int], reserved: dict[int, _Seq], spare: bool) -> int:
         """The free slot a fresh request takes: the last freed that no waiting request continues
