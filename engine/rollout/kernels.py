@@ -1,31 +1,20 @@
-"""Triton kernels for the native engine's decode step on CUDA, where library kernels fall short.
-
-Measured on one H200 (torch 2.11), Qwen2.5-0.5B shape, 256 rows over a 384-column KV cache about
-two-thirds live, per layer: the written-out attention (engine/rollout/model.py) 33 us, PyTorch's
-flash kernel with per-row lengths (`aten._flash_attention_forward(seqused_k=)`) 39 us, flex
-attention's decoding 217 us, against a floor of 7 us to read the live K/V once. The flash
-kernel runs each query head on its own and so reads every K/V head once per query head. The
-sampler inductor compiled took 233 us to read the 78 MB of bf16 logits and their 155 MB of fp32
-noise (a 49 us floor), after 65 us to make the noise. `bench/decode_kernels.py` re-runs the
-comparison.
+"""Triton kernels for the native engine's decode step on CUDA, where library kernels fall short
+(the measurements: docs/benchmarks.md, Rollout, "Triton decode kernels" and "the norms, RoPE and
+gating as Triton kernels"; `bench/decode_kernels.py` re-runs the attention and sampler comparison).
 
 - `decode_attention`: one program per (row, KV head) writes the step's K/V into the cache and runs
   that head's G query heads together over the row's live cache columns only, with an online
-  softmax (the two cache writes were kernels of their own, ~4 us each).
+  softmax. PyTorch's flash kernel with per-row lengths reads every K/V head once per query head.
 - `categorical_sample`: a draw from softmax(logits / T) by inverting its CDF at one uniform per
-  row. One pass over the vocabulary in chunks gives each chunk's mass; small torch ops pick the
-  chunk; a second kernel scans only that chunk. Per-token Gumbel noise (the eager path's trick)
-  cost 240 us of a 277 us kernel at 256 rows (Philox and two logs per token); this reads the
-  logits once, and one chunk per row again.
+  row: one pass over the vocabulary in chunks gives each chunk's mass, small torch ops pick the
+  chunk, a second kernel scans only that chunk. It reads the logits about once; per-token Gumbel
+  noise (the eager path's trick) spent most of its time making the noise.
 - `rms_norm`, `add_rms_norm`, `rope`, `silu_mul`: the decoder layer's elementwise steps, one launch
-  each (`instead` puts them in place of the functions in engine/rollout/model.py). Inductor fused
-  them as well (decode and the length mix ran as fast either way on an H100), but dynamo traced
-  each again in every process, three times (decode rows, one row, prefill): 12 traces, and a
-  process's first generation at 0.5B took 7.3 s instead of 22.2 s without them. A kernel serves
-  every row count and is loaded from Triton's cache.
+  each (`instead` puts them in place of the functions in engine/rollout/model.py). Inductor fuses
+  them as well, but dynamo traced them again in every process; a kernel serves every row count
+  and is loaded from Triton's cache.
 - `quantize_fp8`: an fp8 engine's activations (engine/rollout/fp8.py), one program per row, before
-  every projection's GEMM: one launch, the bits of `fp8.quantize_rows`, and no recompiling as the
-  row width changes from layer to layer (inductor, through `fused`, would make it symbolic).
+  every projection's GEMM, with no recompiling as the row width changes from layer to layer.
 
 Invariants:
 - the same math as the eager paths (engine/rollout/model.decode_attention, engine/rollout/sampling.sample,
