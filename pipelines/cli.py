@@ -22,6 +22,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -239,7 +240,7 @@ def check_disk(cfg: Config, model_path: str, tracker: Tracker, adapters: int = 0
 
 
 def train(cfg: Config) -> dict[str, str]:
-    from pipelines import dpo, grpo, sft
+    from pipelines import dpo, driver, grpo, sft
 
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_path, files = resolve_inputs(cfg)
@@ -270,7 +271,7 @@ def train(cfg: Config) -> dict[str, str]:
             version = tracker.register_model(str(export), cfg.trainer.register_model)
             print(f"rlflow: registered {export} as model '{cfg.trainer.register_model}' version {version}")
         status = "FINISHED"
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, driver.Stopped):
         status = "KILLED"
         raise
     finally:
@@ -434,11 +435,20 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "config":
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
+    from pipelines import driver
+
     try:
         train(cfg)
     except ConfigError as e:  # found once the inputs are read (LoRA against the model, the checkpoint to resume)
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2
+    except driver.Stopped as e:
+        print(f"rlflow: {e}; the same command resumes from it", file=sys.stderr)
+        return 128 + e.signum  # the shell's code for a death by that signal
+    except KeyboardInterrupt:
+        print("\nrlflow: interrupted; what was running is lost, the same command resumes from the last checkpoint "
+              "(if one was written)", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -6,7 +6,8 @@ this loop owns everything else:
     ... -> final validation, checkpoint and HF export
 A worker that dies or hangs past `trainer.step_timeout_s`, in a step or a validation, has the
 workers rebuilt from the last complete checkpoint (or the initial model) and the loop goes on,
-up to `trainer.max_restarts` times.
+up to `trainer.max_restarts` times. A first SIGINT (Ctrl-C) or SIGTERM stops the loop once the
+step running ends, with a checkpoint of it (`Stopped`); a second SIGINT stops at once.
 
 Invariants:
 - a resumed run continues from the checkpoint's weights, optimizer, loader position and step,
@@ -17,6 +18,8 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -92,6 +95,39 @@ class Workers:
                 print(f"rlflow: ignoring {type(e).__name__} while stopping workers: {e}")
 
 
+class Stopped(Exception):
+    """The run stopped on a signal after step `step`, saved in `checkpoint`."""
+
+    def __init__(self, signum: int, step: int, ckpt: Path) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint {ckpt}")
+        self.signum, self.step, self.checkpoint = signum, step, ckpt
+
+
+class StopRequests:
+    """From its making (on the main thread) to `restore`, the first SIGINT or SIGTERM is noted in
+    `signum`, for the loop to stop once the step running ends; a second SIGINT raises
+    KeyboardInterrupt at once. Ray's own processes block SIGINT: a terminal's Ctrl-C reaches the
+    driver only."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self.before: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            self.before = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        for s, handler in self.before.items():
+            signal.signal(s, handler)
+        self.before = {}
+
+    def _note(self, signum: int, _frame: object) -> None:
+        if self.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\nrlflow: {signal.Signals(signum).name}: stopping once this step ends, with a checkpoint "
+              "(Ctrl-C again stops at once, losing the step)", flush=True)
+
+
 def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
     tmp = checkpoint.begin(root, step)
     stages.save(str(tmp))
@@ -134,9 +170,10 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
         bar.update(algo.headline(metrics, validation=False))
         return at
 
-    finished = False
+    healthy = False  # every worker alive and idle at the end: stopped gracefully, not killed
+    stop = StopRequests()
     try:
-        while step < t.total_steps:
+        while step < t.total_steps and not stop.signum:
             try:
                 step = advance(step)
             except WORKER_LOST as e:  # in the step, a validation or a checkpoint's save
@@ -150,6 +187,13 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
                 live.close(lost=True)
                 live = Workers(cfg, algo, last_ckpt, loader)
                 step = live.start
+        if stop.signum and step < t.total_steps:  # stopped early: the last step saved, if it is not yet
+            if last_ckpt != checkpoint.step_dir(root, step):
+                last_ckpt = save(live.stages, root, step, loader, tracker.run_id, t.keep_last)
+            healthy = True
+            bar.close()
+            raise Stopped(stop.signum, step, last_ckpt)
+        stop.restore()
         validated(t.total_steps)
         bar.close()
         ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
@@ -158,10 +202,11 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
         export = out / "hf_model"
         live.stages.policy.all(Policy.export, str(export))
         tracker.log_artifact(str(export), "hf_model")
-        finished = True
+        healthy = True
         return export
     finally:
-        live.close(lost=not finished)  # after an error a worker may hang: kill, do not wait for it
+        stop.restore()
+        live.close(lost=not healthy)  # after an error a worker may hang: kill, do not wait for it
 
 
 def check_health(metrics: dict[str, float], limit: int, last_ckpt: Path | None) -> None:

@@ -278,6 +278,31 @@ def test_resume_after_sigkill_replays_the_uninterrupted_run(tmp_path):
     assert got == want  # step for step, the same numbers as a run that was never killed
 
 
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_the_same_command_resumes(tmp_path):
+    steps = ["trainer.total_steps=8", "trainer.save_every=2", "trainer.val_every=0"]
+    args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
+            f"reward.function={tmp_path / 'length_reward.py'}:compute_score", *steps]
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    # as a terminal's Ctrl-C does: SIGINT to the whole process group (Ray's processes included)
+    returncode, output = fault_after_step_2(tmp_path, args, lambda proc: os.killpg(proc.pid, signal.SIGINT))
+    assert returncode == 128 + signal.SIGINT, output[-3000:]
+    stopped = re.search(r"stopped by SIGINT after step (\d+); checkpoint (\S+);", output)
+    assert stopped, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    step, ckpt = int(stopped[1]), Path(stopped[2])
+    assert 2 <= step < 8 and ckpt.name == f"step_{step:06d}" and (ckpt / "COMPLETE").exists()
+    client, run = only_run(tmp_path)
+    assert run.info.status == "KILLED"
+    assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == list(
+        range(1, step + 1))  # the step that was running when the signal came finished, and was saved
+
+    resumed = rlflow(tmp_path, "out", *steps)
+    assert f"resumed from {ckpt} at step {step}" in resumed.stdout
+    client, run = only_run(tmp_path)
+    assert run.info.status == "FINISHED"
+    assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == list(range(1, 9))
+
+
 def test_a_killed_worker_is_rebuilt_and_the_run_finishes(tmp_path):
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
