@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,7 +127,7 @@ class CriticConfig:
 class RewardConfig:
     function: str = ""  # "module:function" or "path/file.py:function"; "" = built-in by data_source
     on_error: str = "zero"  # zero (counted in reward/errors) | raise
-    timeout_s: float = 30.0  # per call; a call that runs longer scores 0 and counts as an error
+    timeout_s: float = 30.0  # per call; a call that runs longer scores 0 and counts as an error; 0 = none
     overlong_buffer: int = 0  # DAPO: > 0 ramps a penalty over this many tokens before max_new_tokens
     overlong_penalty: float = 1.0  # reward (for advantages) lost at rollout.max_new_tokens
     model: str = ""  # HF sequence-classification directory (num_labels=1) scoring prompt + response; "" = none
@@ -229,9 +230,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if tp is float and isinstance(value, float) and not math.isfinite(value):  # NaN passes every `<` check
+        raise ConfigError(f"{key} must be a finite number, got {value}")
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
@@ -260,6 +263,15 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _yaml(text: str, what: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{what} is not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
                 job: str = "rl") -> Config:
     """Defaults, then the YAML diff at `path`, then `key=value` overrides, for the `job` its command runs
@@ -268,7 +280,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"job {job!r}: choose one of {list(JOBS)}")
     settings: dict[str, Any] = {}
     if path:
-        diff = yaml.safe_load(Path(path).read_text()) or {}
+        diff = _yaml(Path(path).read_text(), str(path)) or {}
         if not isinstance(diff, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level")
         settings.update(_flatten(diff))
@@ -277,7 +289,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not sep:
             raise ConfigError(f"override '{item}' is not key=value")
         if raw.strip():  # `key=` (empty) keeps the configured value, as MLproject defaults rely on
-            settings[key.strip()] = yaml.safe_load(raw)
+            settings[key.strip()] = _yaml(raw, f"override '{item}'")
     named = settings.pop("algorithm.name", None)
     cfg = Config()
     for key, value in settings.items():
@@ -388,10 +400,25 @@ def validate(cfg: Config) -> None:
                 "rollout.max_new_tokens": r.max_new_tokens, "actor.mini_batch_prompts": a.mini_batch_prompts,
                 "actor.ppo_epochs": a.ppo_epochs, "placement.workers": p.workers,
                 "trainer.total_steps": cfg.trainer.total_steps, "actor.lr": a.lr,
-                "rollout.samples_per_prompt": r.samples_per_prompt, "placement.torch_threads": p.torch_threads}
+                "rollout.samples_per_prompt": r.samples_per_prompt, "placement.torch_threads": p.torch_threads,
+                "actor.grad_clip": a.grad_clip,
+                "warmstart.lr": cfg.warmstart.lr, "warmstart.batch_size": cfg.warmstart.batch_size,
+                "trainer.keep_last": cfg.trainer.keep_last, "rollout.top_p": r.top_p}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")
+    non_negative = {"data.val_max_prompts": d.val_max_prompts, "reward.timeout_s": cfg.reward.timeout_s,
+                    "rollout.temperature": r.temperature,
+                    "rollout.top_k": r.top_k, "actor.weight_decay": a.weight_decay,
+                    "actor.warmup_steps": a.warmup_steps, "actor.clip_low": a.clip_low, "actor.clip_high": a.clip_high,
+                    "actor.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_coef": cfg.algorithm.kl_coef,
+                    "algorithm.kl_target": cfg.algorithm.kl_target, "trainer.save_every": cfg.trainer.save_every,
+                    "trainer.val_every": cfg.trainer.val_every, "trainer.samples_every": cfg.trainer.samples_every,
+                    "trainer.max_restarts": cfg.trainer.max_restarts,
+                    "trainer.max_consecutive_skips": cfg.trainer.max_consecutive_skips}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
     if cfg.algorithm.advantage in GROUP_ESTIMATORS and r.samples_per_prompt < 2:
         raise ConfigError(f"advantage '{cfg.algorithm.advantage}' compares samples of one prompt: "
                           f"rollout.samples_per_prompt must be >= 2, got {r.samples_per_prompt}")
@@ -416,8 +443,8 @@ def validate(cfg: Config) -> None:
     if r.dtype == "fp8" and (r.backend != "native" or not p.gpus_per_worker):
         raise ConfigError(f"rollout.dtype=fp8 runs on the native backend on GPUs (compute capability 8.9+); got "
                           f"rollout.backend={r.backend}, placement.gpus_per_worker={p.gpus_per_worker}")
-    if not 0 < r.top_p <= 1 or r.temperature < 0 or r.top_k < 0:
-        raise ConfigError("rollout needs 0 < top_p <= 1, temperature >= 0, top_k >= 0")
+    if r.top_p > 1 or a.clip_low > 1:
+        raise ConfigError(f"rollout.top_p and actor.clip_low must be <= 1; got {r.top_p}, {a.clip_low}")
     if r.tp < 1 or p.workers % r.tp or (r.tp > 1 and r.backend != "native"):
         raise ConfigError(f"rollout.tp={r.tp} needs the native backend and must divide placement.workers={p.workers}")
     if not 0 < r.kv_cache_memory <= 1:
@@ -441,11 +468,11 @@ def validate(cfg: Config) -> None:
     if job_of(cfg) == "sft" and cfg.warmstart.steps:
         raise ConfigError(f"warmstart.steps={cfg.warmstart.steps} with algorithm.name=sft: SFT is the supervised "
                           "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
-    if cfg.warmstart.steps < -1 or cfg.trainer.save_every < 0 or cfg.trainer.keep_last < 1:
-        raise ConfigError("warmstart.steps must be >= -1, trainer.save_every >= 0, trainer.keep_last >= 1")
+    if cfg.warmstart.steps < -1:
+        raise ConfigError(f"warmstart.steps must be >= 0 (or -1: auto), got {cfg.warmstart.steps}")
     w = cfg.warmstart
     if not (0 <= w.stop_accuracy <= 1 or w.stop_accuracy == -1):
-        raise ConfigError("warmstart.stop_accuracy must be in [0, 1] (or -1: auto)")
+        raise ConfigError(f"warmstart.stop_accuracy must be in [0, 1] (or -1: auto), got {w.stop_accuracy}")
     if cfg.trainer.step_timeout_s <= 0:
         raise ConfigError(f"trainer.step_timeout_s must be > 0, got {cfg.trainer.step_timeout_s}")
     if a.lora_rank < 0 or a.lora_alpha <= 0 or not a.lora_targets:

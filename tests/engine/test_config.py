@@ -49,6 +49,13 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(f)
 
 
+def test_malformed_yaml_is_one_line_naming_the_file_and_place(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("trainer:\n  total_steps: 3\n save_every: 2\n")
+    with pytest.raises(ConfigError, match=f"{f} is not valid YAML: .* at line 3, column 2$"):
+        load_config(f)
+
+
 @pytest.mark.parametrize("overrides,message", [
     ("rollout.samples_per_prompt=1", "samples_per_prompt must be >= 2"),
     ("actor.mini_batch_prompts=48", "not a multiple"),
@@ -69,6 +76,17 @@ def test_unknown_key_in_yaml(tmp_path):
      "samples_per_prompt must be >= 2"),
     (["algorithm.advantage=remax", "reward.overlong_buffer=2"], "greedy baseline"),
     ("trainer.val_samples=-1", "must be >= 0"),
+    ("rollout.temperature=nan", "rollout.temperature must be a finite number, got nan"),  # NaN fails no `<`
+    ("actor.lr=.inf", "actor.lr must be a finite number, got inf"),
+    ("data.val_max_prompts=-1", "data.val_max_prompts must be >= 0, got -1"),  # was prompts[:-1]
+    ("actor.kl_loss_coef=-1", "actor.kl_loss_coef must be >= 0, got -1"),
+    ("reward.timeout_s=-1", "reward.timeout_s must be >= 0, got -1"),
+    ("actor.grad_clip=0", "actor.grad_clip must be > 0"),  # clip_grad_norm_ to 0 zeroes every gradient
+    ("trainer.keep_last=0", "trainer.keep_last must be > 0, got 0"),
+    ("trainer.save_every=-1", "trainer.save_every must be >= 0, got -1"),
+    ("rollout.top_p=2", "rollout.top_p and actor.clip_low must be <= 1; got 2.0"),
+    ("data.train_files=[a.jsonl,b.jsonl", "override 'data.train_files=\\[a.jsonl,b.jsonl' is not valid YAML: "
+     "expected ',' or '\\]', but got '<stream end>' at line 1, column 17"),
     ("warmstart.stop_accuracy=1.5", "stop_accuracy must be in"),
     ("trainer.step_timeout_s=0", "step_timeout_s must be > 0"),
     ("algorithm.name=ppo", "contradicts this run, which is 'grpo'"),
