@@ -91,6 +91,8 @@ def commit(root: Path, tmp: Path, step: int, driver_state: dict, keep_last: int)
 def problem(path: Path) -> str | None:
     """Why `path` is not a usable checkpoint, or None when it is complete and intact."""
     marker = path / "COMPLETE"
+    if not path.is_dir():
+        return "no such directory"
     if not marker.is_file():
         return "no COMPLETE marker (the write never finished)"
     try:

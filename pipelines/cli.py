@@ -140,6 +140,10 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
 
     if model and cfg.model.path != EMBEDDED:
         _check_model_dir("model.path", cfg.model.path)
+    if model and cfg.trainer.resume not in ("auto", "never"):
+        reason = checkpoint.problem(Path(cfg.trainer.resume))
+        if reason:
+            raise ConfigError(f"trainer.resume={cfg.trainer.resume}: not a usable checkpoint: {reason}")
     for key in ("train_files", "val_files") if model else ("val_files",):
         for f in (f for f in getattr(cfg.data, key) if f != EMBEDDED):
             if not Path(f).is_file():

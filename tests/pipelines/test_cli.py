@@ -45,6 +45,8 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         ([f"reward.function={tmp / 'broken.py'}:f"], "No module named 'not_a_module_anywhere'"),
         (["reward.function=os.path:sep"], "not a function"),
         (["reward.model=/nope"], "reward.model=/nope: no such directory"),
+        (["trainer.resume=/nope"], "trainer.resume=/nope: not a usable checkpoint: no such directory"),
+        ([f"trainer.resume={tmp}"], "no COMPLETE marker"),  # before the warm start, not after it
         (["rollout.env=nomod:Env"], "rollout.env=nomod:Env: cannot import environment module 'nomod'"),
         ([f"rollout.env={tmp / 'missing.py'}:Env"], "environment file not found"),
         (["rollout.env=engine.agents.env:NoSuchEnv"], "has no 'NoSuchEnv'"),
