@@ -181,9 +181,12 @@ class Tracker:
             existing = self.client.get_run(self._run_id).data.params
         except TRACKING_ERRORS as e:
             return self._warn(e)
-        changed = sorted(k for k in flat if k in existing and existing[k] != flat[k])
-        if changed:
-            log.warning("params already logged with other values, kept as they were: %s", changed)
+        changed = ", ".join(f"{k}: {existing[k]} -> {flat[k]}" for k in sorted(flat)
+                            if k in existing and existing[k] != flat[k])
+        if changed:  # a resumed run, run again with other settings: MLflow keeps a param's first value
+            log.warning("MLflow run %s was started with other settings, which its params keep; what this "
+                        "command changed is in its tag params_changed: %s", self._run_id, changed)
+            self.set_tags({"params_changed": _truncate(changed)})
         self._log_batches("params", [Param(k, v) for k, v in flat.items() if k not in existing])
 
     def _log_batches(self, kind: str, entities: list[Any]) -> None:

@@ -75,6 +75,7 @@ def test_sqlite_run_records_params_metrics_and_artifacts(uri: str, tmp_path: Pat
     }
     t.log_params(params)
     t.log_params(params)  # resuming re-logs the same config: skipped, no error
+    t.log_params({**params, "lr": 2e-3})  # resumed with another setting: kept, and the change tagged
     for step in range(3):
         bad: dict[str, Any] = {"nan": math.nan, "inf": math.inf, "s": "x"}  # dropped, counted
         t.log_metrics({"val/arith/acc": step / 10, **bad}, step)
@@ -93,6 +94,7 @@ def test_sqlite_run_records_params_metrics_and_artifacts(uri: str, tmp_path: Pat
     assert run.data.tags["algo"] == "grpo"
     p = run.data.params
     assert p["model.name"] == "tiny" and p["model.layers"] == "[1, 2]" and p["lr"] == "0.001"
+    assert run.data.tags["params_changed"] == "lr: 0.001 -> 0.002"
     assert len(p["prompt"]) == MAX_PARAM_VAL_LENGTH and p["prompt"].endswith("...")
     assert len(p) == 4 + 150 and p["many.149"] == "149"
     assert history(client, t.run_id, "val/arith/acc") == [(0, 0.0), (1, 0.1), (2, 0.2)]
