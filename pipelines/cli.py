@@ -328,12 +328,36 @@ def export(source: str, dest: str) -> Path:
     return path
 
 
+def eval_files(model_dir: Path, cfg: Config) -> list[str]:
+    """`rlflow eval`'s data files. The embedded held-out set is that of the run `model_dir` belongs
+    to, its nearest ancestor holding `embedded/` (OUTPUT_DIR for OUTPUT_DIR/checkpoints/step_N or
+    OUTPUT_DIR/hf_model): another run's set, built with another trainer.seed, overlaps this run's
+    training prompts. A `trainer.output_dir` given explicitly picks the set instead."""
+    from dataclasses import replace
+
+    if EMBEDDED not in cfg.data.val_files:
+        return resolve_files(cfg)["val"]
+    here = model_dir.resolve()
+    run_dir = next((d for d in (here, *here.parents) if (d / "embedded").is_dir()), None)
+    if run_dir and cfg.trainer.output_dir == Config().trainer.output_dir:
+        cfg = replace(cfg, trainer=replace(cfg.trainer, output_dir=str(run_dir)))
+    files = resolve_files(cfg)["val"]
+    if run_dir is None:
+        print(f"rlflow: warning: {model_dir} is in no run directory; evaluating on the embedded held-out set "
+              f"of trainer.output_dir={cfg.trainer.output_dir}, trainer.seed={cfg.trainer.seed}, which may "
+              "overlap the model's training data unless they are its run's", flush=True)
+    else:
+        print(f"rlflow: evaluating on the embedded held-out set of {cfg.trainer.output_dir}: {', '.join(files)}",
+              flush=True)
+    return files
+
+
 def run_eval(source: str, cfg: Config) -> dict[str, float]:
     """`rlflow eval`: score a model on `data.val_files` in its own tracked run; prints a summary."""
     from pipelines.eval import evaluate
 
     model_dir = find_model(source)
-    files = resolve_files(cfg)["val"]
+    files = eval_files(model_dir, cfg)
     tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or f"eval {model_dir.name}",
                       tags={"job": "eval", "model": str(model_dir.resolve()), "git_commit": git_commit(),
                             "dataset_hash": dataset_hash(files)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,9 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
+from engine.config import Config
+from engine.data.prompts import embedded_files
+from pipelines.cli import eval_files
 from pipelines.grpo import summarise
 
 BIN = Path(sys.executable).parent
@@ -86,3 +90,41 @@ def test_rlflow_eval_logs_its_own_run_with_metrics_per_data_source(model_dir: Pa
     assert m["eval/coin/mean_at_6"] == pytest.approx(m["eval/coin/pass_at_1"])  # 0/1 scores
     assert 0 < m["eval/coin/pass_at_1"] < m["eval/coin/pass_at_6"] <= 1  # sampling finds more than one try
     assert m["eval/reward_errors"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_rlflow_eval_of_a_run_uses_that_runs_embedded_held_out_set(model_dir: Path, tmp_path: Path) -> None:
+    """A run of trainer.seed=1 holds its own embedded set. Evaluated from elsewhere with the default
+    trainer.output_dir and seed, eval must use that set, not build seed 0's under ./outputs/rlflow:
+    seed 0's held-out prompts are partly seed 1's training prompts."""
+    run = tmp_path / "run"
+    val = embedded_files(run / "embedded", seed=1)["val"]  # what a run with trainer.seed=1 built
+    shutil.copytree(model_dir, run / "hf_model")  # and its exported model
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cmd = [sys.executable, "-m", "pipelines.cli", "eval", str(run / "hf_model"), "data.val_max_prompts=4",
+           "rollout.samples_per_prompt=2", "rollout.max_new_tokens=3", "trainer.experiment=evals"]
+    proc = subprocess.run(cmd, env={**os.environ, "MLFLOW_TRACKING_URI": uri}, cwd=elsewhere,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"embedded held-out set of {run}: {val}" in proc.stdout
+    client = MlflowClient(uri)
+    [evaluated] = client.search_runs([client.get_experiment_by_name("evals").experiment_id])
+    [dataset] = evaluated.inputs.dataset_inputs
+    assert json.loads(dataset.dataset.source)["uri"] == val
+    assert not (elsewhere / "outputs" / "rlflow" / "embedded").exists()
+
+
+def test_eval_outside_a_run_warns_and_an_explicit_output_dir_wins(model_dir: Path, tmp_path: Path, monkeypatch,
+                                                                   capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    [val] = eval_files(model_dir, Config())  # a model in no run directory: today's set, with a warning
+    assert Path(val).resolve() == tmp_path / "outputs" / "rlflow" / "embedded" / "data" / "val.parquet"
+    assert "rlflow: warning:" in capsys.readouterr().out
+    run = tmp_path / "run"
+    shutil.copytree(model_dir, run / "hf_model")
+    embedded_files(run / "embedded", seed=1)
+    cfg = Config()
+    cfg.trainer.output_dir = str(tmp_path / "outputs" / "rlflow")  # given explicitly: the user's choice
+    assert [Path(f).resolve() for f in eval_files(run / "hf_model", cfg)] == [Path(val).resolve()]
