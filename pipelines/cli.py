@@ -450,11 +450,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2
+    from engine.data.prompts import DataError  # imports datasets, so after quiet_libraries
+
     if ns.command == "eval":
         try:
                 run_eval(ns.source, cfg)
         except ConfigError as e:
             print(f"rlflow: config error: {e}", file=sys.stderr)
+            return 2
+        except DataError as e:
+            print(f"rlflow: data error: {e}", file=sys.stderr)
             return 2
         except FileNotFoundError as e:
             print(f"rlflow: {e}", file=sys.stderr)
@@ -469,6 +474,9 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except ConfigError as e:  # found once the inputs are read (LoRA against the model, the checkpoint to resume)
         print(f"rlflow: config error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:  # a data file unreadable, or a row refused (data.overlong_prompts=error)
+        print(f"rlflow: data error: {e}", file=sys.stderr)
         return 2
     except driver.Stopped as e:
         print(f"rlflow: {e}; the same command resumes from it", file=sys.stderr)

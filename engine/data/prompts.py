@@ -10,7 +10,9 @@ Invariants:
 - a prompt (or an answer, or a response) is never truncated: over its token budget is skipped and counted
   (``overlong="skip"``) or an error naming the row (``overlong="error"``);
 - every row is either kept or counted under exactly one skip reason, so
-  ``rows == kept + overlong + malformed``;
+  ``rows == kept + overlong + malformed`` (a jsonl line that is not a JSON object is a row,
+  ``malformed/bad_json``, and the warning names its line); a file that cannot be read at all, or an
+  ``overlong="error"`` row, raises ``DataError``, one line naming the file;
 - ``PromptLoader`` order is a pure function of (seed, epoch, position): saving and loading its
   ``state_dict`` resumes the exact batch sequence.
 
@@ -19,6 +21,7 @@ Run its tests with ``python -m pytest tests/engine/data/test_data.py -q``.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -95,17 +98,51 @@ def _fields(row: dict) -> tuple[list[dict], str, str, dict | None]:
     return messages, data_source, truth, extra_info
 
 
-def read_rows(path: str) -> list[dict]:
-    """The raw rows of one parquet/jsonl/json file, as dicts."""
+class DataError(ValueError):
+    """Data rlflow cannot use, said in one line naming the file (and row); the CLI prints it without a traceback."""
+
+
+def read_rows(path: str, bad_lines: list[int] | None = None) -> list[dict]:
+    """The raw rows of one parquet/jsonl/json file, as dicts. A jsonl line that is not a JSON object
+    is skipped and its (1-based) number appended to `bad_lines`; a file that cannot be read raises DataError."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     fmt = FORMATS.get(Path(path).suffix)
     if fmt is None:
-        raise ValueError(f"{path}: unsupported prompt file type; use one of {sorted(FORMATS)}")
+        raise DataError(f"{path}: unsupported prompt file type; use one of {sorted(FORMATS)}")
+    if Path(path).suffix == ".jsonl":
+        return _read_jsonl(path, [] if bad_lines is None else bad_lines)
+    library_log = logging.getLogger("datasets")
+    level = library_log.level
+    library_log.setLevel(logging.CRITICAL)  # datasets logs its own copy of the error DataError reports
     try:
         return datasets.load_dataset(fmt, data_files=path, split="train").to_list()
-    except Exception as e:
-        raise ValueError(f"could not read {path} as {fmt}: {e!r}") from e
+    except Exception as e:  # datasets and Arrow raise many kinds; each means the file is unreadable
+        root: BaseException = e
+        while (inner := root.__cause__ or root.__context__) is not None:  # the innermost error names the problem
+            root = inner
+        why = (str(root).strip().splitlines() or [""])[0]
+        raise DataError(f"could not read {path} as {fmt}: {type(root).__name__}: {why}") from e
+    finally:
+        library_log.setLevel(level)
+
+
+def _read_jsonl(path: str, bad_lines: list[int]) -> list[dict]:
+    """Line by line, so one bad line costs that row, not the file; blank lines are ignored."""
+    rows = []
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):  # bad JSON or UTF-8; nesting deeper than Python's stack
+                row = None
+            if isinstance(row, dict):
+                rows.append(row)
+            else:
+                bad_lines.append(number)
+    return rows
 
 
 class _Overlong(Exception):
@@ -118,8 +155,13 @@ def _load(files: list[str], make: Any, overlong: str, what: str) -> tuple[list, 
         raise ValueError(f"overlong must be 'skip' or 'error', got {overlong!r}")
     counts: Counter[str] = Counter(rows=0, kept=0, overlong=0, malformed=0)
     items = []
+    bad_lines: dict[str, list[int]] = {}
     for path in map(str, files):
-        for index, row in enumerate(read_rows(path)):
+        bad = bad_lines[path] = []
+        rows = read_rows(path, bad)
+        if bad:  # a line that is not a JSON object is a row too, a malformed one
+            counts.update({"rows": len(bad), "malformed": len(bad), "malformed/bad_json": len(bad)})
+        for index, row in enumerate(rows):
             counts["rows"] += 1
             try:
                 items.append(make(row))
@@ -127,10 +169,10 @@ def _load(files: list[str], make: Any, overlong: str, what: str) -> tuple[list, 
                 counts.update(["malformed", f"malformed/{skip}"])
             except _Overlong as e:
                 if overlong == "error":
-                    raise ValueError(f"{path} row {index}: {e} ({what}s are never truncated)") from None
+                    raise DataError(f"{path} row {index}: {e} ({what}s are never truncated)") from None
                 counts["overlong"] += 1
     counts["kept"] = len(items)
-    _summarise(files, dict(counts), what)
+    _summarise(files, dict(counts), what, bad_lines)
     return items, dict(counts)
 
 
@@ -286,14 +328,17 @@ def _rows(prompts: list[list[int]], answers: list[list[int]], pad_id: int, group
     return Batch(pids, pmask, group_size, [""] * n, [""] * n, [None] * n, response_ids=rids, response_mask=rmask)
 
 
-def _summarise(files: list[str], counts: dict[str, int], what: str) -> None:
+def _summarise(files: list[str], counts: dict[str, int], what: str, bad_lines: dict[str, list[int]]) -> None:
     skipped = counts["rows"] - counts["kept"]
     detail = ", ".join(f"{k}={v}" for k, v in counts.items() if k not in ("rows", "kept") and v)
+    # The first few jsonl lines that are not JSON objects, as file:line, so they can be found and fixed.
+    lines = [f"{path}:{n}" for path, numbers in bad_lines.items() for n in numbers]
+    where = f" (bad_json at {', '.join(lines[:5])}{', ...' if len(lines) > 5 else ''})" if lines else ""
     if not counts["kept"]:
-        raise ValueError(f"no usable {what}s in {files}: {counts} (overlong means over a token budget; "
-                         "malformed/<reason> names the bad field)")
+        raise DataError(f"no usable {what}s in {files}: {counts}{where} (overlong means over a token budget; "
+                        "malformed/<reason> names the bad field)")
     if skipped:
-        log.warning("skipped %d of %d %s rows in %s: %s", skipped, counts["rows"], what, files, detail)
+        log.warning("skipped %d of %d %s rows in %s: %s%s", skipped, counts["rows"], what, files, detail, where)
 
 
 T = TypeVar("T")

@@ -85,6 +85,24 @@ def test_unreadable_inputs_are_one_line_before_mlflow_and_ray_start(tmp_path):
     assert not (tmp_path / "mlflow.db").exists() and not (tmp_path / "out").exists()
 
 
+def test_a_refused_row_is_one_data_error_line(tmp_path):
+    """data.overlong_prompts=error through the real CLI: exit 2 and one line naming the file and row,
+    no traceback. The rows are tokenized on the driver once Ray is up, so this starts Ray (~20 s)."""
+    rows = [{"prompt": f"{a}+{a}=", "data_source": "arith", "reward_model": {"ground_truth": str(2 * a)}}
+            for a in range(8)]
+    rows[6]["prompt"] = "1" * 300
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    args = [f"data.train_files=[{data}]", f"data.val_files=[{data}]", "data.overlong_prompts=error",
+            "warmstart.steps=0", f"trainer.output_dir={tmp_path / 'out'}"]
+    proc = subprocess.run([str(BIN / "rlflow"), "train", *args], capture_output=True, text=True, timeout=120,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("rlflow:")]
+    assert line.startswith(f"rlflow: data error: {data} row 6: prompt is 300 tokens, over max_prompt_tokens="), line
+
+
 def test_lora_settings_and_checkpoints_of_the_other_kind_fail_before_work_starts(tmp_path, model_dir):
     """Checked on the driver, the model built on the meta device: a target that matches nothing, a
     rank above a layer's width, and a checkpoint to resume whose weights are of the other kind."""

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from engine.data import task
 from engine.data.prompts import (
+    DataError,
     Example,
     Pair,
     Prompt,
@@ -24,6 +25,7 @@ from engine.data.prompts import (
     load_pairs,
     load_prompts,
     pairs_batch,
+    read_rows,
 )
 
 
@@ -107,7 +109,7 @@ def test_overlong_is_skipped_or_raises_never_truncated(tmp_path, tokenizer) -> N
     assert [p.text for p in prompts] == ["1+1=", "2+2="]
     assert counts["overlong"] == 1 and all(len(p.ids) <= 4 for p in prompts)
     check_counts(counts)
-    with pytest.raises(ValueError, match=r"row 1: prompt is 8 tokens.*max_prompt_tokens=4"):
+    with pytest.raises(DataError, match=r"o.jsonl row 1: prompt is 8 tokens.*max_prompt_tokens=4"):
         load_prompts([path], tokenizer, max_prompt_tokens=4, overlong="error")
 
 
@@ -132,6 +134,31 @@ def test_unusable_inputs_raise(tmp_path, tokenizer) -> None:
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="unsupported"):
         load_prompts([str(tmp_path / "x.csv")], tokenizer, 64)
+
+
+def test_jsonl_lines_that_are_not_objects_are_counted_and_named(tmp_path, tokenizer, caplog) -> None:
+    path = tmp_path / "j.jsonl"
+    good = [json.dumps(row(f"{a}+1=", str(a + 1))) for a in range(3)]
+    path.write_text("\n".join([good[0], good[1][:20], "", "[1, 2]", good[2]]) + "\n")  # truncated, blank, a list
+    with caplog.at_level(logging.WARNING, logger="rlflow.data"):
+        prompts, counts = load_prompts([str(path)], tokenizer, 64)
+    assert [p.text for p in prompts] == ["0+1=", "2+1="]
+    assert counts == {"rows": 4, "kept": 2, "overlong": 0, "malformed": 2, "malformed/bad_json": 2}
+    check_counts(counts)
+    [record] = [r for r in caplog.records if r.name == "rlflow.data"]
+    assert f"bad_json at {path}:2, {path}:4" in record.getMessage()
+    assert len(read_rows(str(path))) == 2  # what the tracker logs as the run's dataset: the rows that parse
+
+
+def test_a_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, tokenizer) -> None:
+    (tmp_path / "c.parquet").write_bytes(b"not a parquet file")
+    (tmp_path / "c.json").write_text('[{"prompt": "1+1=", ')
+    for name in ("c.parquet", "c.json"):
+        with pytest.raises(DataError) as raised:
+            load_prompts([str(tmp_path / name)], tokenizer, 64)
+        message = str(raised.value)
+        assert message.startswith(f"could not read {tmp_path / name} as ") and "\n" not in message
+        assert "DatasetGenerationError" not in message  # the innermost error, not the chain's repr
 
 
 def make_prompts(n: int) -> list[Prompt]:
