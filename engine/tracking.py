@@ -14,6 +14,10 @@ Invariants:
   RETRY_AFTER_S later (and by `finish`). Each failed attempt still waits out MLflow's own HTTP
   retries: with the default MLFLOW_HTTP_REQUEST_MAX_RETRIES=7 that is about 4 minutes, so training
   jobs should set it low (e.g. 2).
+- A metric has at most one value per step: a point at or below the highest step its key already
+  has in the run (a resumed run, or a rebuilt job, replaying the steps after its checkpoint) is
+  skipped, counted in `replayed_metrics`, and said once. MLflow cannot replace a point, and two
+  values at one step draw a zigzag; on one machine the replay logs the same numbers anyway.
 - One `log_batch` call per step (split only past MLflow's 1000-metrics-per-batch cap).
 - Datasets are logged as run inputs (name, digest, source path) with their context (train, val,
   eval); the exported model is registered only when asked, as a transformers-flavor model.
@@ -27,6 +31,7 @@ Run the tests: `python -m pytest tests/engine/test_tracking.py -q`
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import math
 import numbers
@@ -43,7 +48,7 @@ from mlflow import MlflowClient
 from mlflow.entities import DatasetInput, InputTag, Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking.context.registry import resolve_tags
-from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_LOGGED_ARTIFACTS
 from mlflow.utils.validation import (
     MAX_ENTITY_KEY_LENGTH,
     MAX_METRICS_PER_BATCH,
@@ -122,6 +127,8 @@ class Tracker:
         self._finished = False
         attach_id = os.environ.get("MLFLOW_RUN_ID")
         self._run_id = self._attach(attach_id) if attach_id else self._create(experiment, run_name, tags)
+        self.replayed_metrics = 0
+        self._last_step = self._logged_steps() if attach_id else {}  # per metric key, its highest step
         if attach_id and tags:
             self.set_tags(tags)
         self._monitor = self._start_system_metrics(resume=bool(attach_id)) if system_metrics else None
@@ -142,6 +149,11 @@ class Tracker:
         if self.client.get_run(run_id).info.status != "RUNNING":  # resuming a terminated run
             self.client.update_run(run_id, status="RUNNING")
         return run_id
+
+    def _logged_steps(self) -> dict[str, int]:
+        """Each metric key's highest step in the run (MLflow's system metrics left out: their own clock)."""
+        keys = [k for k in self.client.get_run(self._run_id).data.metrics if not k.startswith("system/")]
+        return {k: max(m.step for m in self.client.get_metric_history(self._run_id, k)) for k in keys}
 
     def _create(self, experiment: str, run_name: str | None, tags: dict[str, str] | None) -> str:
         exp = self.client.get_experiment_by_name(experiment)
@@ -195,14 +207,22 @@ class Tracker:
             chunk = entities[i : i + MAX_PARAMS_TAGS_PER_BATCH]
             self._guard(self.client.log_batch, self._run_id, **{kind: chunk})
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int, again: bool = False) -> None:
+        """`metrics` at `step`; a key that already has a point at `step` or later skips it, unless
+        `again` (an event that may recur at one step, e.g. a restart)."""
         now_ms = int(time.time() * 1000)
         for key, value in metrics.items():
-            number = _as_float(value)
+            number, name = _as_float(value), sanitise_name(key)
             if number is None:
                 self.dropped_metrics += 1
+            elif step <= self._last_step.get(name, -1) and not again:
+                if not self.replayed_metrics:
+                    log.warning("MLflow run %s already has step %d (logged before the run was interrupted): the "
+                                "steps replayed from the checkpoint keep those values", self._run_id, step)
+                self.replayed_metrics += 1
             else:
-                self._pending.append(Metric(sanitise_name(key), number, now_ms, int(step)))
+                self._pending.append(Metric(name, number, now_ms, int(step)))
+                self._last_step[name] = max(step, self._last_step.get(name, -1))
         if len(self._pending) > MAX_PENDING_METRICS:
             self.dropped_metrics += len(self._pending) - MAX_PENDING_METRICS
             del self._pending[:-MAX_PENDING_METRICS]
@@ -218,11 +238,24 @@ class Tracker:
             del self._pending[: len(chunk)]
 
     def log_table(self, rows: list[dict[str, Any]], artifact_file: str) -> None:
-        """Rows of samples -> a table artifact (.json or .parquet). MLflow appends to an existing file."""
+        """Rows of samples -> a .json table artifact, as MLflow's `log_table` writes one (shown in
+        its UI's table view); an existing file is replaced (MLflow's would append: a replayed step's
+        samples twice)."""
+        import pandas as pd
+
         columns = list(dict.fromkeys(k for row in rows for k in row))
-        table = {c: [row.get(c) for row in rows] for c in columns}
-        if table:
-            self._guard(self.client.log_table, self._run_id, table, artifact_file)
+        if not columns:
+            return
+        table = pd.DataFrame({c: [row.get(c) for row in rows] for c in columns}).to_json(orient="split", index=False)
+        if self._guard(self.client.log_text, self._run_id, table, artifact_file):
+            self._guard(self._list_table, artifact_file)
+
+    def _list_table(self, artifact_file: str) -> None:
+        """Name `artifact_file` in the run's tag of table artifacts, as `MlflowClient.log_table` does."""
+        listed = json.loads(self.client.get_run(self._run_id).data.tags.get(MLFLOW_LOGGED_ARTIFACTS, "[]"))
+        if {"path": artifact_file, "type": "table"} not in listed:
+            listed.append({"path": artifact_file, "type": "table"})
+            self.client.set_tag(self._run_id, MLFLOW_LOGGED_ARTIFACTS, json.dumps(listed))
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         """A file, or a directory's contents, under `artifact_path` (as MLflow's log_artifacts does)."""

@@ -182,7 +182,7 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
                 restarts += 1
                 print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} at step {step} ({type(e).__name__}); "
                       f"restart {restarts}/{t.max_restarts} from {last_ckpt or 'the initial model'}")
-                tracker.log_metrics({"trainer/restarts": restarts}, step=step)
+                tracker.log_metrics({"trainer/restarts": restarts}, step=step, again=True)
                 tracker.set_tags({f"restart.{restarts}": f"step {step}: {type(e).__name__}: {e}"[:500]})
                 live.close(lost=True)
                 live = Workers(cfg, algo, last_ckpt, loader)

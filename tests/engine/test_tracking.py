@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import json
 import math
 import os
 import signal
@@ -105,6 +106,34 @@ def test_sqlite_run_records_params_metrics_and_artifacts(uri: str, tmp_path: Pat
     ]
     config = Path(client.download_artifacts(t.run_id, "config.yaml", str(tmp_path)))
     assert config.read_text() == "trainer:\n  steps: 3\n"
+
+
+def test_a_resumed_run_keeps_one_value_per_step_and_one_table_per_file(
+        uri: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    first = Tracker(tracking_uri=uri, system_metrics=False)
+    for step in (1, 2, 3):  # then the job dies; its checkpoint was at step 1
+        first.log_metrics({"loss": float(step)}, step)
+    first.log_table([{"prompt": "p", "response": "old"}], "samples/step_2.json")
+    first.finish("KILLED")
+
+    monkeypatch.setenv("MLFLOW_RUN_ID", first.run_id)  # what a resume attaches to
+    again = Tracker(tracking_uri=uri, system_metrics=False)
+    for step in (2, 3, 4):  # the replay of steps 2 and 3, then new ground
+        again.log_metrics({"loss": 10.0 + step, "new": 1.0}, step)
+    again.log_metrics({"restarts": 1.0}, 4)
+    again.log_metrics({"restarts": 2.0}, 4, again=True)  # an event may recur at one step
+    again.log_table([{"prompt": "p", "response": "new"}], "samples/step_2.json")
+    again.finish()
+
+    client = MlflowClient(uri)
+    assert history(client, first.run_id, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0)]
+    assert history(client, first.run_id, "new") == [(2, 1.0), (3, 1.0), (4, 1.0)]  # a key of its own
+    assert history(client, first.run_id, "restarts") == [(4, 1.0), (4, 2.0)]
+    assert again.replayed_metrics == 2
+    table = json.loads(Path(client.download_artifacts(first.run_id, "samples/step_2.json", str(tmp_path))).read_text())
+    assert table == {"columns": ["prompt", "response"], "data": [["p", "new"]]}  # replaced, not appended
+    listed = json.loads(client.get_run(first.run_id).data.tags["mlflow.loggedArtifacts"])
+    assert listed == [{"path": "samples/step_2.json", "type": "table"}]
 
 
 def test_one_log_batch_call_per_step_split_past_mlflow_cap(uri: str) -> None:
