@@ -451,10 +451,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2
     from engine.data.prompts import DataError  # imports datasets, so after quiet_libraries
+    from engine.data.rewards import RewardError
 
     if ns.command == "eval":
         try:
-                run_eval(ns.source, cfg)
+            run_eval(ns.source, cfg)
         except ConfigError as e:
             print(f"rlflow: config error: {e}", file=sys.stderr)
             return 2
@@ -464,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         except FileNotFoundError as e:
             print(f"rlflow: {e}", file=sys.stderr)
             return 2
+        except RewardError as e:
+            print(f"rlflow: {getattr(e, 'cause', e)}", file=sys.stderr)  # Ray's wrapper carries the error as cause
+            return 1
         return 0
     if ns.command == "config":
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
@@ -478,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:  # a data file unreadable, or a row refused (data.overlong_prompts=error)
         print(f"rlflow: data error: {e}", file=sys.stderr)
         return 2
+    except RewardError as e:  # reward.on_error=raise: the user's function failed, named with its line
+        print(f"rlflow: {getattr(e, 'cause', e)}; the run is marked FAILED", file=sys.stderr)
+        return 1
     except driver.Stopped as e:
         print(f"rlflow: {e}; the same command resumes from it", file=sys.stderr)
         return 128 + e.signum  # the shell's code for a death by that signal

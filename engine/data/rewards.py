@@ -29,6 +29,7 @@ import math
 import queue
 import re
 import threading
+import traceback
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -256,6 +257,17 @@ class _Worker:
         return value
 
 
+def _user_line(e: BaseException) -> str:
+    """ " (file:line)" of the last frame of `e` outside rlflow (the user's function), else ""."""
+    ours = str(Path(__file__).parents[1])
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
+    return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+
+
+class RewardError(RuntimeError):
+    """The reward function failed on a sample, with reward.on_error=raise: the run stops."""
+
+
 class RewardFunction:
     """Scores a batch with the configured function, or the built-in scorer per data_source.
 
@@ -306,7 +318,7 @@ class RewardFunction:
             except Exception as e:
                 failure = f"sample {i} (data_source={src!r}): {type(e).__name__}: {e}"
                 if self.on_error == "raise":
-                    raise RuntimeError(f"reward function failed on {failure}") from e
+                    raise RewardError(f"reward function failed on {failure}{_user_line(e)}") from e
                 failures.append(failure)
                 timeouts += isinstance(e, RewardTimeout)
                 score, extra = 0.0, {}

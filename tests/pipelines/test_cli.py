@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_rlflow_data_converts_and_reports_counts(tmp_path):
@@ -101,6 +102,23 @@ def test_a_refused_row_is_one_data_error_line(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if line.startswith("rlflow:")]
     assert line.startswith(f"rlflow: data error: {data} row 6: prompt is 300 tokens, over max_prompt_tokens="), line
+
+
+def test_a_failing_reward_with_on_error_raise_is_one_line_naming_the_users_line(tmp_path):
+    """reward.on_error=raise through the real CLI: the error comes from a Ray worker inside the
+    compiled step; the terminal gets one line with the sample, the error and the user's file:line."""
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1 / 0\n")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    args = [str(ROOT / "conf" / "smoke.yaml"), f"reward.function={reward}:compute_score", "reward.on_error=raise",
+            "warmstart.steps=0", f"trainer.output_dir={tmp_path / 'out'}"]
+    proc = subprocess.run([str(BIN / "rlflow"), "train", *args], capture_output=True, text=True, timeout=180,
+                          env=env, cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("rlflow:")]
+    assert line == (f"rlflow: reward function failed on sample 0 (data_source='arith'): ZeroDivisionError: "
+                    f"division by zero ({reward}:2); the run is marked FAILED"), line
 
 
 def test_lora_settings_and_checkpoints_of_the_other_kind_fail_before_work_starts(tmp_path, model_dir):

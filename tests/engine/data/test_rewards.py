@@ -13,6 +13,7 @@ import pytest
 from engine.data import task
 from engine.data.rewards import (
     BUILTIN,
+    RewardError,
     RewardFunction,
     gsm8k_score,
     last_boxed,
@@ -144,9 +145,10 @@ def test_on_error_raise_names_the_sample(tmp_path) -> None:
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             return 1 / int(solution_str)
     """)
-    with pytest.raises(RuntimeError, match="sample 2") as info:
+    with pytest.raises(RewardError, match="sample 2") as info:
         RewardFunction(spec, on_error="raise")(*batch(["1", "2", "0"]))
     assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert str(info.value).endswith(f"({spec.split(':')[0]}:3)")  # the user's line that raised
 
 
 def test_builtin_scorers_by_data_source() -> None:
