@@ -397,13 +397,27 @@ def dataset_hash(files: list[str]) -> str:
     return digest.hexdigest()[:12]
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rlflow")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlflow", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="rlflow", description=__doc__.split("\n")[0],
+                                     epilog="docs: README.md and docs/ (docs/config.md lists every key)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (("train", "run a config"), ("dpo", "DPO on preference pairs"),
-                       ("sft", "supervised fine-tuning on prompt/response rows"),
+    overrides = ("CONFIG.yaml: a YAML diff over the defaults (conf/*.yaml); key=value: dotted overrides "
+                 "applied after it, e.g. trainer.total_steps=200 data.train_files=[a.parquet,b.parquet] "
+                 "(every key: docs/config.md, or `rlflow config`)")
+    for name, text in (("train", "RL (GRPO and relatives, PPO); no arguments: the embedded default on the CPU"),
+                       ("dpo", "DPO on preference pairs"), ("sft", "supervised fine-tuning on prompt/response rows"),
                        ("config", "print the resolved config")):
-        cmd = sub.add_parser(name, help=text)
+        cmd = sub.add_parser(name, help=text, description=text, epilog=overrides)
         cmd.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
     exp = sub.add_parser("export", help="write a checkpoint's policy as a HF directory")
     exp.add_argument("source", help="a checkpoint directory, or a run's trainer.output_dir")
@@ -412,10 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("format", choices=["gsm8k", "math"])
     data.add_argument("src")
     data.add_argument("dst", help=".parquet or .jsonl")
-    data.add_argument("--data-source", default=None)
+    data.add_argument("--data-source", default=None,
+                      help="the rows' data_source, which picks the built-in scorer (default: openai/gsm8k or math)")
     data.add_argument("--instruction", default=None, help="appended to each question")
-    data.add_argument("--split", default="train")
-    ev = sub.add_parser("eval", help="accuracy, mean@k and pass@k of a checkpoint or HF directory on data.val_files")
+    data.add_argument("--split", default="train", help="recorded in each row's extra_info")
+    ev = sub.add_parser("eval", help="accuracy, mean@k and pass@k of a checkpoint or HF directory on data.val_files",
+                        epilog=overrides)
     ev.add_argument("source", help="a checkpoint directory, a run's trainer.output_dir, or a HF model directory")
     ev.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
     ns = parser.parse_args(argv)

@@ -151,3 +151,13 @@ def test_lora_settings_and_checkpoints_of_the_other_kind_fail_before_work_starts
     sealed(4, 0)
     with pytest.raises(ConfigError, match="holds full weights, but actor.lora_rank=8"):
         check_lora(parse(["actor.lora_rank=8", out]), str(model_dir))
+
+
+def test_help_says_how_to_configure_and_version_names_the_package():
+    from pipelines.cli import package_version
+
+    helped = subprocess.run([str(BIN / "rlflow"), "train", "--help"], capture_output=True, text=True, timeout=60)
+    text = " ".join(helped.stdout.split())
+    assert helped.returncode == 0 and "the embedded default" in text and "docs/config.md" in text, helped.stdout
+    version = subprocess.run([str(BIN / "rlflow"), "--version"], capture_output=True, text=True, timeout=60)
+    assert version.stdout.strip() == f"rlflow {package_version()}" and package_version() != "(not installed)"
