@@ -262,7 +262,7 @@ def load_examples(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_
             reward_model = row.get("reward_model")
             text = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
             if text is None:
-                raise _Skip("missing_response")
+                raise _Skip("no_response_or_ground_truth")
             text = text if isinstance(text, (str, bytes)) else str(text)
         response = _answer(tokenizer, _text(text, "response"), "response", max_response_tokens)
         return Example(_prompt_ids(tokenizer, messages, max_prompt_tokens, tools)[0], response)
@@ -337,8 +337,13 @@ def _summarise(files: list[str], counts: dict[str, int], what: str, bad_lines: d
     if not counts["kept"]:
         raise DataError(f"no usable {what}s in {files}: {counts}{where} (overlong means over a token budget; "
                         "malformed/<reason> names the bad field)")
-    if skipped:
-        log.warning("skipped %d of %d %s rows in %s: %s%s", skipped, counts["rows"], what, files, detail, where)
+    message = f"skipped {skipped} of {counts['rows']} {what} rows in {files}: {detail}{where}"
+    if skipped and message not in _SAID:  # the warm start and RL read one file: said once
+        _SAID.add(message)
+        log.warning(message)
+
+
+_SAID: set[str] = set()  # skip summaries already logged by this process
 
 
 T = TypeVar("T")

@@ -246,7 +246,7 @@ def test_sft_loader_takes_response_rows_and_ground_truth_rows(tmp_path, tokenize
             sft(data_source=1), sft(response="12345678"), sft(prompt="9" * 20)]
     with caplog.at_level(logging.WARNING, logger="rlflow.data"):
         examples, counts = load_examples([write_jsonl(tmp_path / "s.jsonl", rows)], tokenizer, 8, 4)
-    assert counts == {"rows": 9, "kept": 3, "overlong": 2, "malformed": 4, "malformed/missing_response": 1,
+    assert counts == {"rows": 9, "kept": 3, "overlong": 2, "malformed": 4, "malformed/no_response_or_ground_truth": 1,
                       "malformed/empty_response": 1, "malformed/empty_prompt": 1, "malformed/data_source": 1}
     check_counts(counts)
     assert "skipped 6 of 9 example rows" in caplog.text
