@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from engine import checkpoint
-from engine.config import Config
+from engine.config import Config, to_dict
 from engine.data.prompts import PromptLoader
 from engine.tracking import Tracker
 from pipelines.runtime import WORKER_LOST, Runner, Stages, how_lost
@@ -128,11 +128,13 @@ class StopRequests:
               "(Ctrl-C again stops at once, losing the step)", flush=True)
 
 
-def save(stages: Stages, root: Path, step: int, loader: PromptLoader, run_id: str, keep: int) -> Path:
+def save(cfg: Config, stages: Stages, step: int, loader: PromptLoader, run_id: str) -> Path:
+    """A checkpoint of step `step`; its driver state also holds the run's resolved config."""
+    root = Path(cfg.trainer.output_dir) / "checkpoints"
     tmp = checkpoint.begin(root, step)
     stages.save(str(tmp))
-    return checkpoint.commit(root, tmp, step, {"step": step, "loader": loader.state_dict(), "run_id": run_id},
-                             keep)
+    state = {"step": step, "loader": loader.state_dict(), "run_id": run_id, "config": to_dict(cfg)}
+    return checkpoint.commit(root, tmp, step, state, cfg.trainer.keep_last)
 
 
 def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) -> Path:
@@ -166,7 +168,7 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
         if t.samples_every and at % t.samples_every == 0 and (rows := algo.samples(outputs)):
             tracker.log_table([dict(s, step=at) for s in rows], f"samples/step_{at:06d}.json")
         if t.save_every and at % t.save_every == 0 and at < t.total_steps:
-            last_ckpt = save(live.stages, root, at, loader, tracker.run_id, t.keep_last)
+            last_ckpt = save(cfg, live.stages, at, loader, tracker.run_id)
         bar.update(algo.headline(metrics, validation=False))
         return at
 
@@ -189,14 +191,14 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
                 step = live.start
         if stop.signum and step < t.total_steps:  # stopped early: the last step saved, if it is not yet
             if last_ckpt != checkpoint.step_dir(root, step):
-                last_ckpt = save(live.stages, root, step, loader, tracker.run_id, t.keep_last)
+                last_ckpt = save(cfg, live.stages, step, loader, tracker.run_id)
             healthy = True
             bar.close()
             raise Stopped(stop.signum, step, last_ckpt)
         stop.restore()
         validated(t.total_steps)
         bar.close()
-        ckpt = save(live.stages, root, t.total_steps, loader, tracker.run_id, t.keep_last)
+        ckpt = save(cfg, live.stages, t.total_steps, loader, tracker.run_id)
         if t.log_checkpoint:
             tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
         export = out / "hf_model"

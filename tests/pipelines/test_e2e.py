@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -291,6 +292,8 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_the_same_command_resu
     assert "Traceback" not in output, output[-3000:]
     step, ckpt = int(stopped[1]), Path(stopped[2])
     assert 2 <= step < 8 and ckpt.name == f"step_{step:06d}" and (ckpt / "COMPLETE").exists()
+    config = json.loads((ckpt / "driver.json").read_text())["config"]  # what made it, resolved
+    assert config["trainer"]["total_steps"] == 8 and config["reward"]["function"].endswith("reward.py:compute_score")
     client, run = only_run(tmp_path)
     assert run.info.status == "KILLED"
     assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == list(
