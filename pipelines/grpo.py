@@ -336,7 +336,9 @@ class GRPO:
     def headline(self, m: dict[str, float], validation: bool) -> str:
         if validation:
             return f"greedy score {m['val/greedy_score']:.4f}"
-        return f"reward {m['critic/score/mean']:.3f} tok/s {m['perf/throughput']:.0f}"
+        errors = m.get("reward/error_rate", 0.0)  # a reward that fails scores 0: a run can learn nothing, quietly
+        return f"reward {m['critic/score/mean']:.3f} tok/s {m['perf/throughput']:.0f}" + (
+            f" reward errors {errors:.0%}" if errors else "")
 
 
 def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tracker) -> Path:

@@ -327,7 +327,8 @@ class RewardFunction:
         if failures:
             log.warning("reward failed on %d/%d samples (scored 0.0); first: %s",
                         len(failures), len(scores), failures[0])
-        metrics = {"reward/errors": float(len(failures)), "reward/timeouts": float(timeouts)}
+        metrics = {"reward/errors": float(len(failures)), "reward/timeouts": float(timeouts),
+                   "reward/error_rate": len(failures) / max(1, len(scores))}
         return scores, {**metrics, **_extra_means(extras)}, extras
 
 

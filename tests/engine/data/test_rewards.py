@@ -117,7 +117,7 @@ def test_failures_score_zero_are_counted_and_logged_once(tmp_path, caplog) -> No
         scores, metrics, extras = RewardFunction(spec)(*batch(["ok", "boom", "nan", "boom", "text",
                                                                 "inf", "none", "bool"]))
     assert scores == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
-    assert metrics["reward/errors"] == 6
+    assert metrics["reward/errors"] == 6 and metrics["reward/error_rate"] == 6 / 8
     assert extras == [{}] * 8
     warnings = [r for r in caplog.records if r.name == "rlflow.reward"]
     assert len(warnings) == 1
@@ -136,7 +136,7 @@ def test_dict_results_give_extras_and_averaged_metrics(tmp_path) -> None:
     scores, metrics, extras = RewardFunction(spec)(*batch(["1", "0", "plain", "noscore"]))
     assert scores == [2.0, 2.0, 0.5, 0.0]
     assert extras == [{"acc": 1.0}, {"acc": 0.0}, {}, {}]
-    assert metrics == {"reward/errors": 1.0, "reward/timeouts": 0.0,
+    assert metrics == {"reward/errors": 1.0, "reward/timeouts": 0.0, "reward/error_rate": 0.25,
                        "reward/acc/mean": 0.5}  # mean over the samples reporting it
 
 
@@ -155,7 +155,7 @@ def test_builtin_scorers_by_data_source() -> None:
     scores, metrics, _ = RewardFunction()(["arith", "arith", "gsm8k"], [" 12 ", "13", "#### 1,000"],
                                           ["12", "12", "1000"], [None, {"index": 1}, None])
     assert scores == [1.0, 0.0, 1.0]
-    assert metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    assert metrics == {"reward/errors": 0.0, "reward/timeouts": 0.0, "reward/error_rate": 0.0}
 
 
 def test_unknown_data_source_without_function_is_a_config_error() -> None:
