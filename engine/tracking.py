@@ -127,7 +127,7 @@ class Tracker:
         self._finished = False
         attach_id = os.environ.get("MLFLOW_RUN_ID")
         self._run_id = self._attach(attach_id) if attach_id else self._create(experiment, run_name, tags)
-        self.replayed_metrics = 0
+        self.replayed_metrics, self._said_replay = 0, False
         self._last_step = self._logged_steps() if attach_id else {}  # per metric key, its highest step
         if attach_id and tags:
             self.set_tags(tags)
@@ -216,9 +216,11 @@ class Tracker:
             if number is None:
                 self.dropped_metrics += 1
             elif step <= self._last_step.get(name, -1) and not again:
-                if not self.replayed_metrics:
-                    log.warning("MLflow run %s already has step %d (logged before the run was interrupted): the "
-                                "steps replayed from the checkpoint keep those values", self._run_id, step)
+                if step > 0 and not self._said_replay:  # step 0: what every start logs (data counts)
+                    self._said_replay = True
+                    log.warning("MLflow run %s already has steps %d to %d, logged before the run was interrupted: "
+                                "their replay from the checkpoint keeps those values", self._run_id, step,
+                                self._last_step[name])
                 self.replayed_metrics += 1
             else:
                 self._pending.append(Metric(name, number, now_ms, int(step)))
