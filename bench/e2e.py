@@ -45,6 +45,7 @@ and writes JSON to `--out` ($OUT/e2e.json when $OUT is set, else bench/out/e2e.j
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import math
@@ -289,8 +290,6 @@ def non_defaults(conf_path: Path) -> dict[str, Any]:
 
 
 def tracking_uri(work: Path) -> str:
-    import importlib.util
-
     # mlflow-skinny has no SQL store (no sqlalchemy): use a file store there
     return f"sqlite:///{work}/mlflow.db" if importlib.util.find_spec("sqlalchemy") else f"file://{work}/mlruns"
 
@@ -513,6 +512,8 @@ def main() -> None:
         raise SystemExit(f"unknown shape or TRL mode: {sorted(unknown)}")
     if args.steps <= args.warmup:
         raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    if args.trl_modes and importlib.util.find_spec("trl") is None:  # before the rlflow jobs, not after them
+        raise SystemExit("TRL is not installed: pip install -e '.[bench]', or --trl-modes '' for rlflow alone")
     cuda = torch.cuda.is_available()
     if "mix" in args.lengths and "cb" in args.trl_modes:
         raise SystemExit("TRL's cb mode (generate_batch) takes no logits processor: the mix cannot force its ends")

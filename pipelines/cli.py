@@ -283,8 +283,15 @@ def train(cfg: Config) -> dict[str, str]:
     export = export.resolve()
     summary = {"run_id": tracker.run_id, "tracking_uri": tracker.tracking_uri, "model": str(export)}
     print(f"\nrlflow: run {tracker.run_id} finished; tracking URI {tracker.tracking_uri}; "
-          f"final model at {export}\n  view it: mlflow ui --backend-store-uri {tracker.tracking_uri}")
+          f"final model at {export}\n  view it: {view_command(tracker.tracking_uri)}")
     return summary
+
+
+def view_command(tracking_uri: str) -> str:
+    """How to look at the run: a tracking server's own address, or `mlflow ui` over a local store."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri} (the MLflow server's UI)"
+    return f"mlflow ui --backend-store-uri {tracking_uri}"
 
 
 def find_model(source: str) -> Path:

@@ -124,8 +124,9 @@ class StopRequests:
         if self.signum and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signum = signum
-        print(f"\nrlflow: {signal.Signals(signum).name}: stopping once this step ends, with a checkpoint "
-              "(Ctrl-C again stops at once, losing the step)", flush=True)
+        again = " (Ctrl-C again stops at once, losing the step)" if signum == signal.SIGINT else ""
+        print(f"\nrlflow: {signal.Signals(signum).name}: stopping once this step ends, with a checkpoint{again}",
+              flush=True)
 
 
 def save(cfg: Config, stages: Stages, step: int, loader: PromptLoader, run_id: str) -> Path:

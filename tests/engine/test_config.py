@@ -254,3 +254,16 @@ def test_the_embedded_rl_warm_start_stops_on_an_accuracy():
     assert (cfg.warmstart.steps, cfg.warmstart.stop_accuracy) == (4000, 0.4)
     cfg = load_config(None, ["model.path=/some/model"])
     assert (cfg.warmstart.steps, cfg.warmstart.stop_accuracy) == (0, 0)  # a user's model: no warm start
+
+
+def test_every_choice_is_named_in_its_keys_meaning():
+    """docs/config.md reads a key's values off its comment: a name added to engine/algos.py (a new
+    estimator, say) must be added there too, or the reference and `rlflow config` never show it."""
+    from engine.config import CHOICES, meanings
+
+    for key, allowed in CHOICES.items():
+        text = meanings()[key]
+        if "as actor." in text:  # "as actor.kl_loss_type": the same set, named once
+            continue
+        missing = [a for a in allowed if not re.search(rf"(?<![\w-]){re.escape(a)}(?![\w-])", text)]
+        assert not missing, f"{key}: its comment in engine/config.py does not name {missing}"

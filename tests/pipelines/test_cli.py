@@ -161,3 +161,10 @@ def test_help_says_how_to_configure_and_version_names_the_package():
     assert helped.returncode == 0 and "the embedded default" in text and "docs/config.md" in text, helped.stdout
     version = subprocess.run([str(BIN / "rlflow"), "--version"], capture_output=True, text=True, timeout=60)
     assert version.stdout.strip() == f"rlflow {package_version()}" and package_version() != "(not installed)"
+
+
+def test_the_view_line_fits_the_tracking_store():
+    from pipelines.cli import view_command
+
+    assert view_command("sqlite:///x/mlflow.db") == "mlflow ui --backend-store-uri sqlite:///x/mlflow.db"
+    assert view_command("http://127.0.0.1:5000").startswith("open http://127.0.0.1:5000")  # mlflow ui refuses it
