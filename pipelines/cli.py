@@ -413,6 +413,29 @@ def package_version() -> str:
         return "(not installed)"
 
 
+def one_line(e: BaseException, command: str) -> tuple[str, int] | None:
+    """(the line, the exit code) an error the user can act on ends a command with, instead of a
+    traceback; None for any other error."""
+    from engine.data.prompts import DataError  # imports datasets: after quiet_libraries
+    from engine.data.rewards import RewardError
+    from pipelines import driver
+
+    if isinstance(e, ConfigError):  # found once the inputs are read (LoRA against the model, a checkpoint)
+        return f"rlflow: config error: {e}", 2
+    if isinstance(e, DataError):  # a data file unreadable, or a row refused (data.overlong_prompts=error)
+        return f"rlflow: data error: {e}", 2
+    if isinstance(e, RewardError):  # reward.on_error=raise; Ray's wrapper carries the user's error as its cause
+        return f"rlflow: {getattr(e, 'cause', e)}; the run is marked FAILED", 1
+    if command == "eval":
+        return (f"rlflow: {e}", 2) if isinstance(e, FileNotFoundError) else None
+    if isinstance(e, driver.Stopped):
+        return f"rlflow: {e}; the same command resumes from it", 128 + e.signum  # the shell's code for that signal
+    if isinstance(e, KeyboardInterrupt):
+        return ("\nrlflow: interrupted; what was running is lost, the same command resumes from the last "
+                "checkpoint (if one was written)", 128 + signal.SIGINT)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlflow", description=__doc__.split("\n")[0],
                                      epilog="docs: README.md and docs/ (docs/config.md lists every key)")
@@ -473,48 +496,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"rlflow: config error: {e}", file=sys.stderr)
         return 2
-    from engine.data.prompts import DataError  # imports datasets, so after quiet_libraries
-    from engine.data.rewards import RewardError
-
-    if ns.command == "eval":
-        try:
-            run_eval(ns.source, cfg)
-        except ConfigError as e:
-            print(f"rlflow: config error: {e}", file=sys.stderr)
-            return 2
-        except DataError as e:
-            print(f"rlflow: data error: {e}", file=sys.stderr)
-            return 2
-        except FileNotFoundError as e:
-            print(f"rlflow: {e}", file=sys.stderr)
-            return 2
-        except RewardError as e:
-            print(f"rlflow: {getattr(e, 'cause', e)}", file=sys.stderr)  # Ray's wrapper carries the error as cause
-            return 1
-        return 0
     if ns.command == "config":
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
-    from pipelines import driver
-
     try:
-        train(cfg)
-    except ConfigError as e:  # found once the inputs are read (LoRA against the model, the checkpoint to resume)
-        print(f"rlflow: config error: {e}", file=sys.stderr)
-        return 2
-    except DataError as e:  # a data file unreadable, or a row refused (data.overlong_prompts=error)
-        print(f"rlflow: data error: {e}", file=sys.stderr)
-        return 2
-    except RewardError as e:  # reward.on_error=raise: the user's function failed, named with its line
-        print(f"rlflow: {getattr(e, 'cause', e)}; the run is marked FAILED", file=sys.stderr)
-        return 1
-    except driver.Stopped as e:
-        print(f"rlflow: {e}; the same command resumes from it", file=sys.stderr)
-        return 128 + e.signum  # the shell's code for a death by that signal
-    except KeyboardInterrupt:
-        print("\nrlflow: interrupted; what was running is lost, the same command resumes from the last checkpoint "
-              "(if one was written)", file=sys.stderr)
-        return 128 + signal.SIGINT
+        if ns.command == "eval":
+            run_eval(ns.source, cfg)
+        else:
+            train(cfg)
+    except (Exception, KeyboardInterrupt) as e:
+        said = one_line(e, ns.command)
+        if said is None:
+            raise
+        print(said[0], file=sys.stderr)
+        return said[1]
     return 0
 
 
