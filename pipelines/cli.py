@@ -134,6 +134,9 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
     """Name the first configured input that cannot be read, before MLflow or Ray start: the model
     directory (`model=False` for eval, whose model is its argument), the data files, the reward,
     the environment."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from engine.agents.env import check_environment
     from engine.data.prompts import FORMATS
     from engine.data.rewards import load_function
@@ -151,6 +154,12 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
                                   f"or {EMBEDDED})")
             if Path(f).suffix not in FORMATS:
                 raise ConfigError(f"data.{key}: {f}: unsupported file type (expected {'/'.join(FORMATS)})")
+            if Path(f).suffix == ".parquet":  # the footer only: a truncated or mislabelled file fails here, cheaply
+                try:
+                    pq.read_metadata(f)
+                except (pa.ArrowException, OSError) as e:
+                    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                    raise ConfigError(f"data.{key}: {f}: not a readable parquet file: {why}") from None
     if cfg.reward.model:
         _check_model_dir("reward.model", cfg.reward.model)
     for key, spec, what in (("reward.function", cfg.reward.function, "reward function"),

@@ -102,16 +102,17 @@ class DataError(ValueError):
     """Data rlflow cannot use, said in one line naming the file (and row); the CLI prints it without a traceback."""
 
 
-def read_rows(path: str, bad_lines: list[int] | None = None) -> list[dict]:
+def read_rows(path: str, bad_lines: list[int] | None = None, lines: list[int] | None = None) -> list[dict]:
     """The raw rows of one parquet/jsonl/json file, as dicts. A jsonl line that is not a JSON object
-    is skipped and its (1-based) number appended to `bad_lines`; a file that cannot be read raises DataError."""
+    is skipped and its (1-based) number appended to `bad_lines`, and each kept row's number to `lines`
+    (left empty for parquet/json); a file that cannot be read raises DataError."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
     fmt = FORMATS.get(Path(path).suffix)
     if fmt is None:
         raise DataError(f"{path}: unsupported prompt file type; use one of {sorted(FORMATS)}")
     if Path(path).suffix == ".jsonl":
-        return _read_jsonl(path, [] if bad_lines is None else bad_lines)
+        return _read_jsonl(path, [] if bad_lines is None else bad_lines, [] if lines is None else lines)
     library_log = logging.getLogger("datasets")
     level = library_log.level
     library_log.setLevel(logging.CRITICAL)  # datasets logs its own copy of the error DataError reports
@@ -127,7 +128,7 @@ def read_rows(path: str, bad_lines: list[int] | None = None) -> list[dict]:
         library_log.setLevel(level)
 
 
-def _read_jsonl(path: str, bad_lines: list[int]) -> list[dict]:
+def _read_jsonl(path: str, bad_lines: list[int], lines: list[int]) -> list[dict]:
     """Line by line, so one bad line costs that row, not the file; blank lines are ignored."""
     rows = []
     with open(path, "rb") as f:
@@ -140,6 +141,7 @@ def _read_jsonl(path: str, bad_lines: list[int]) -> list[dict]:
                 row = None
             if isinstance(row, dict):
                 rows.append(row)
+                lines.append(number)
             else:
                 bad_lines.append(number)
     return rows
@@ -158,7 +160,8 @@ def _load(files: list[str], make: Any, overlong: str, what: str) -> tuple[list, 
     bad_lines: dict[str, list[int]] = {}
     for path in map(str, files):
         bad = bad_lines[path] = []
-        rows = read_rows(path, bad)
+        lines: list[int] = []  # jsonl: each row's line in the file
+        rows = read_rows(path, bad, lines)
         if bad:  # a line that is not a JSON object is a row too, a malformed one
             counts.update({"rows": len(bad), "malformed": len(bad), "malformed/bad_json": len(bad)})
         for index, row in enumerate(rows):
@@ -168,8 +171,9 @@ def _load(files: list[str], make: Any, overlong: str, what: str) -> tuple[list, 
             except _Skip as skip:
                 counts.update(["malformed", f"malformed/{skip}"])
             except _Overlong as e:
-                if overlong == "error":
-                    raise DataError(f"{path} row {index}: {e} ({what}s are never truncated)") from None
+                if overlong == "error":  # jsonl: the line in the file, as blank and bad lines are not rows
+                    where = f"{path}:{lines[index]}" if lines else f"{path} row {index} (0-based)"
+                    raise DataError(f"{where}: {e} ({what}s are never truncated)") from None
                 counts["overlong"] += 1
     counts["kept"] = len(items)
     _summarise(files, dict(counts), what, bad_lines)

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 BIN = Path(sys.executable).parent
@@ -36,6 +37,8 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "no_tokenizer").mkdir()
     (tmp / "no_tokenizer" / "config.json").write_text("{}")
     (tmp / "rows.txt").write_text("x\n")
+    (tmp / "text.parquet").write_text('{"prompt": "1+1="}\n')  # text renamed to .parquet
+    (tmp / "empty.parquet").write_bytes(b"")
     (tmp / "broken.py").write_text("import not_a_module_anywhere\n")
     (tmp / "envs.py").write_text("class Parser:\n    tool_parser = 'xml'\n\nclass Tools:\n    tools = [print]\n")
     return [
@@ -43,6 +46,9 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         ([f"model.path={tmp / 'no_tokenizer'}"], "no tokenizer"),
         (["data.val_files=[/nope.jsonl]"], "/nope.jsonl: no such file"),
         ([f"data.train_files=[{tmp / 'rows.txt'}]"], "unsupported file type"),
+        ([f"data.train_files=[{tmp / 'text.parquet'}]"],
+         f"data.train_files: {tmp / 'text.parquet'}: not a readable parquet file: Parquet magic bytes not found"),
+        ([f"data.val_files=[{tmp / 'empty.parquet'}]"], f"data.val_files: {tmp / 'empty.parquet'}: not a readable"),
         ([f"reward.function={tmp / 'broken.py'}:f"], "No module named 'not_a_module_anywhere'"),
         (["reward.function=os.path:sep"], "not a function"),
         (["reward.model=/nope"], "reward.model=/nope: no such directory"),
@@ -72,11 +78,15 @@ def test_unreadable_inputs_are_one_line_before_mlflow_and_ray_start(tmp_path):
     model = tmp_path / "model"  # a HF-looking directory, so eval gets as far as its data
     model.mkdir()
     (model / "config.json").write_text("{}")
+    truncated = tmp_path / "truncated.parquet"  # a parquet file cut short, as by an interrupted copy
+    pd.DataFrame({"prompt": ["1+1="] * 100}).to_parquet(truncated)
+    truncated.write_bytes(truncated.read_bytes()[:200])
     for command, args, expected in [
         ("train", ["model.path=/nonexistent"], "model.path=/nonexistent: no such directory"),
         ("train", ["reward.function=nomod:f"], "reward.function=nomod:f: cannot import reward function module 'nomod'"),
         ("train", ["data.train_files=[/nope.parquet]"], "data.train_files: /nope.parquet: no such file"),
         ("eval", [str(model), "data.val_files=[/nope.parquet]"], "data.val_files: /nope.parquet: no such file"),
+        ("train", [f"data.train_files=[{truncated}]"], f"data.train_files: {truncated}: not a readable parquet file"),
     ]:
         proc = subprocess.run([str(BIN / "rlflow"), command, *args, f"trainer.output_dir={tmp_path / 'out'}"],
                               capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
@@ -87,7 +97,7 @@ def test_unreadable_inputs_are_one_line_before_mlflow_and_ray_start(tmp_path):
 
 
 def test_a_refused_row_is_one_data_error_line(tmp_path):
-    """data.overlong_prompts=error through the real CLI: exit 2 and one line naming the file and row,
+    """data.overlong_prompts=error through the real CLI: exit 2 and one line naming the file and line,
     no traceback. The rows are tokenized on the driver once Ray is up, so this starts Ray (~20 s)."""
     rows = [{"prompt": f"{a}+{a}=", "data_source": "arith", "reward_model": {"ground_truth": str(2 * a)}}
             for a in range(8)]
@@ -101,7 +111,7 @@ def test_a_refused_row_is_one_data_error_line(tmp_path):
                           env=env, cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     [line] = [line for line in proc.stderr.splitlines() if line.startswith("rlflow:")]
-    assert line.startswith(f"rlflow: data error: {data} row 6: prompt is 300 tokens, over max_prompt_tokens="), line
+    assert line.startswith(f"rlflow: data error: {data}:7: prompt is 300 tokens, over max_prompt_tokens="), line
 
 
 def test_a_failing_reward_with_on_error_raise_is_one_line_naming_the_users_line(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -109,8 +110,21 @@ def test_overlong_is_skipped_or_raises_never_truncated(tmp_path, tokenizer) -> N
     assert [p.text for p in prompts] == ["1+1=", "2+2="]
     assert counts["overlong"] == 1 and all(len(p.ids) <= 4 for p in prompts)
     check_counts(counts)
-    with pytest.raises(DataError, match=r"o.jsonl row 1: prompt is 8 tokens.*max_prompt_tokens=4"):
+    with pytest.raises(DataError, match=r"o.jsonl:2: prompt is 8 tokens.*max_prompt_tokens=4"):
         load_prompts([path], tokenizer, max_prompt_tokens=4, overlong="error")
+
+
+def test_a_refused_row_is_named_where_a_user_can_find_it(tmp_path, tokenizer) -> None:
+    """jsonl: the file's 1-based line, counting the blank and bad lines dropped before it;
+    parquet: the 0-based row index, said to be one."""
+    path = tmp_path / "o.jsonl"
+    good, long = json.dumps(row("1+1=")), json.dumps(row("12345+1="))
+    path.write_text("\n".join([good, "", "{not json", good, long]) + "\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:5: prompt is 8 tokens"):
+        load_prompts([str(path)], tokenizer, max_prompt_tokens=4, overlong="error")
+    pd.DataFrame([row("1+1="), row("2+2="), row("12345+1=")]).to_parquet(tmp_path / "o.parquet")
+    with pytest.raises(DataError, match=r"o.parquet row 2 \(0-based\): prompt is 8 tokens"):
+        load_prompts([str(tmp_path / "o.parquet")], tokenizer, max_prompt_tokens=4, overlong="error")
 
 
 def test_mixed_formats_concatenate_in_file_order(tmp_path, tokenizer) -> None:
@@ -235,7 +249,7 @@ def test_pair_loader_counts_malformed_and_overlong_rows(tmp_path, tokenizer, cap
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     assert pairs[0] == Pair(enc("1+2="), enc("3") + [eos], enc("4") + [eos], "arith", "1+2=")
     assert pairs[1].data_source == "preference" and pairs[1].rejected == enc("5") + [eos]
-    with pytest.raises(ValueError, match=r"row 7: prompt is 20 tokens.*pairs are never truncated"):
+    with pytest.raises(ValueError, match=r"p.jsonl:8: prompt is 20 tokens.*pairs are never truncated"):
         load_pairs([str(tmp_path / "p.jsonl")], tokenizer, 8, 4, overlong="error")
 
 
@@ -254,7 +268,7 @@ def test_sft_loader_takes_response_rows_and_ground_truth_rows(tmp_path, tokenize
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     assert examples == [Example(enc("2+2="), enc("4") + [eos]), Example(enc("5+6="), enc("11") + [eos]),
                         Example(enc("1+2="), enc("7") + [eos])]  # the ground truth 7 (an int) as the response
-    with pytest.raises(ValueError, match=r"row 7: response is 9 tokens.*examples are never truncated"):
+    with pytest.raises(ValueError, match=r"s.jsonl:8: response is 9 tokens.*examples are never truncated"):
         load_examples([str(tmp_path / "s.jsonl")], tokenizer, 8, 4, overlong="error")
 
 
