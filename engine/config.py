@@ -395,30 +395,8 @@ def validate(cfg: Config) -> None:
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {list(allowed)}")
+    _validate_ranges(cfg)
     d, r, a, p = cfg.data, cfg.rollout, cfg.actor, cfg.placement
-    positive = {"data.prompts_per_step": d.prompts_per_step, "data.max_prompt_tokens": d.max_prompt_tokens,
-                "rollout.max_new_tokens": r.max_new_tokens, "actor.mini_batch_prompts": a.mini_batch_prompts,
-                "actor.ppo_epochs": a.ppo_epochs, "placement.workers": p.workers,
-                "trainer.total_steps": cfg.trainer.total_steps, "actor.lr": a.lr,
-                "rollout.samples_per_prompt": r.samples_per_prompt, "placement.torch_threads": p.torch_threads,
-                "actor.grad_clip": a.grad_clip,
-                "warmstart.lr": cfg.warmstart.lr, "warmstart.batch_size": cfg.warmstart.batch_size,
-                "trainer.keep_last": cfg.trainer.keep_last, "rollout.top_p": r.top_p}
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
-    non_negative = {"data.val_max_prompts": d.val_max_prompts, "reward.timeout_s": cfg.reward.timeout_s,
-                    "rollout.temperature": r.temperature,
-                    "rollout.top_k": r.top_k, "actor.weight_decay": a.weight_decay,
-                    "actor.warmup_steps": a.warmup_steps, "actor.clip_low": a.clip_low, "actor.clip_high": a.clip_high,
-                    "actor.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_coef": cfg.algorithm.kl_coef,
-                    "algorithm.kl_target": cfg.algorithm.kl_target, "trainer.save_every": cfg.trainer.save_every,
-                    "trainer.val_every": cfg.trainer.val_every, "trainer.samples_every": cfg.trainer.samples_every,
-                    "trainer.max_restarts": cfg.trainer.max_restarts,
-                    "trainer.max_consecutive_skips": cfg.trainer.max_consecutive_skips}
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
     if cfg.algorithm.advantage in GROUP_ESTIMATORS and r.samples_per_prompt < 2:
         raise ConfigError(f"advantage '{cfg.algorithm.advantage}' compares samples of one prompt: "
                           f"rollout.samples_per_prompt must be >= 2, got {r.samples_per_prompt}")
@@ -443,17 +421,11 @@ def validate(cfg: Config) -> None:
     if r.dtype == "fp8" and (r.backend != "native" or not p.gpus_per_worker):
         raise ConfigError(f"rollout.dtype=fp8 runs on the native backend on GPUs (compute capability 8.9+); got "
                           f"rollout.backend={r.backend}, placement.gpus_per_worker={p.gpus_per_worker}")
-    if r.top_p > 1 or a.clip_low > 1:
-        raise ConfigError(f"rollout.top_p and actor.clip_low must be <= 1; got {r.top_p}, {a.clip_low}")
     if r.tp < 1 or p.workers % r.tp or (r.tp > 1 and r.backend != "native"):
         raise ConfigError(f"rollout.tp={r.tp} needs the native backend and must divide placement.workers={p.workers}")
-    if not 0 < r.kv_cache_memory <= 1:
-        raise ConfigError(f"rollout.kv_cache_memory must be in (0, 1], got {r.kv_cache_memory}")
     if a.dual_clip and (a.dual_clip <= 1 or a.policy_loss == "cispo"):
         raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, and needs a ppo/gspo loss; got {a.dual_clip} "
                           f"with actor.policy_loss={a.policy_loss}")
-    if cfg.algorithm.rollout_correction_cap <= 1:
-        raise ConfigError(f"algorithm.rollout_correction_cap must be > 1, got {cfg.algorithm.rollout_correction_cap}")
     _validate_dapo(cfg)
     _validate_critic(cfg)
     _validate_scoring(cfg)
@@ -468,13 +440,46 @@ def validate(cfg: Config) -> None:
     if job_of(cfg) == "sft" and cfg.warmstart.steps:
         raise ConfigError(f"warmstart.steps={cfg.warmstart.steps} with algorithm.name=sft: SFT is the supervised "
                           "training itself; set warmstart.steps=0 (trainer.total_steps sets its length)")
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Each number within its key's range (NaN and infinities are refused where the config is read)."""
+    d, r, a, p = cfg.data, cfg.rollout, cfg.actor, cfg.placement
+    positive = {"data.prompts_per_step": d.prompts_per_step, "data.max_prompt_tokens": d.max_prompt_tokens,
+                "rollout.max_new_tokens": r.max_new_tokens, "actor.mini_batch_prompts": a.mini_batch_prompts,
+                "actor.ppo_epochs": a.ppo_epochs, "placement.workers": p.workers,
+                "trainer.total_steps": cfg.trainer.total_steps, "actor.lr": a.lr,
+                "rollout.samples_per_prompt": r.samples_per_prompt, "placement.torch_threads": p.torch_threads,
+                "actor.grad_clip": a.grad_clip,
+                "warmstart.lr": cfg.warmstart.lr, "warmstart.batch_size": cfg.warmstart.batch_size,
+                "trainer.keep_last": cfg.trainer.keep_last, "rollout.top_p": r.top_p,
+                "trainer.step_timeout_s": cfg.trainer.step_timeout_s}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    non_negative = {"data.val_max_prompts": d.val_max_prompts, "reward.timeout_s": cfg.reward.timeout_s,
+                    "rollout.temperature": r.temperature,
+                    "rollout.top_k": r.top_k, "actor.weight_decay": a.weight_decay,
+                    "actor.warmup_steps": a.warmup_steps, "actor.clip_low": a.clip_low, "actor.clip_high": a.clip_high,
+                    "actor.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_coef": cfg.algorithm.kl_coef,
+                    "algorithm.kl_target": cfg.algorithm.kl_target, "trainer.save_every": cfg.trainer.save_every,
+                    "trainer.val_every": cfg.trainer.val_every, "trainer.samples_every": cfg.trainer.samples_every,
+                    "trainer.max_restarts": cfg.trainer.max_restarts,
+                    "trainer.max_consecutive_skips": cfg.trainer.max_consecutive_skips}
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if r.top_p > 1 or a.clip_low > 1:
+        raise ConfigError(f"rollout.top_p and actor.clip_low must be <= 1; got {r.top_p}, {a.clip_low}")
+    if not 0 < r.kv_cache_memory <= 1:
+        raise ConfigError(f"rollout.kv_cache_memory must be in (0, 1], got {r.kv_cache_memory}")
+    if cfg.algorithm.rollout_correction_cap <= 1:
+        raise ConfigError(f"algorithm.rollout_correction_cap must be > 1, got {cfg.algorithm.rollout_correction_cap}")
     if cfg.warmstart.steps < -1:
         raise ConfigError(f"warmstart.steps must be >= 0 (or -1: auto), got {cfg.warmstart.steps}")
     w = cfg.warmstart
     if not (0 <= w.stop_accuracy <= 1 or w.stop_accuracy == -1):
         raise ConfigError(f"warmstart.stop_accuracy must be in [0, 1] (or -1: auto), got {w.stop_accuracy}")
-    if cfg.trainer.step_timeout_s <= 0:
-        raise ConfigError(f"trainer.step_timeout_s must be > 0, got {cfg.trainer.step_timeout_s}")
     if a.lora_rank < 0 or a.lora_alpha <= 0 or not a.lora_targets:
         raise ConfigError(f"actor.lora_rank must be >= 0 (0: full weights), actor.lora_alpha > 0 and "
                           f"actor.lora_targets non-empty; got {a.lora_rank}, {a.lora_alpha}, {a.lora_targets}")
