@@ -289,8 +289,9 @@ class NativeRollout:
         """Free the retired sequences' slots, keeping what they hold (`_keep`); their rows decode on
         idle, with kv_len 0, scribbling on column 0 only. While no request waits, the sequences still
         `running` move down into freed slots (`_compact`)."""
-        self._keep(retired)
-        self._kv_lens[to_device(torch.tensor([s.slot for s in retired]), self.device)] = 0
+        slots = to_device(torch.tensor([s.slot for s in retired]), self.device)
+        self._keep(retired, slots)
+        self._kv_lens.index_fill_(0, slots, 0)  # a Python scalar assigned by index would be copied in, waiting
         free.extend(s.slot for s in retired)
         if running and not waiting and self.MOVE:
             self._compact(running, free, reserved)
@@ -490,10 +491,9 @@ class NativeRollout:
                 found.append(seq)
         return found
 
-    def _keep(self, retired: list[_Seq]) -> None:
-        """Remember what the retired sequences' slots hold: the prompt and every sampled token but the
-        last (whose K/V no decode wrote), and each slot's column 0 as it is now."""
-        slots = torch.tensor([s.slot for s in retired], device=self.device)
+    def _keep(self, retired: list[_Seq], slots: torch.Tensor) -> None:
+        """Remember what the retired sequences' slots (`slots`, on the device) hold: the prompt and
+        every sampled token but the last (whose K/V no decode wrote), and each slot's column 0 as it is now."""
         assert self.cache.k is not None and self.cache.v is not None
         self._col0[0][:, slots], self._col0[1][:, slots] = self.cache.k[:, slots, :, 0], self.cache.v[:, slots, :, 0]
         for s in retired:

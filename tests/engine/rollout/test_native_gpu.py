@@ -215,3 +215,33 @@ def test_a_bf16_engine_traces_nothing(model_dir):
     greedy = engine.generate(prompts[:3], SamplingParams(temperature=0, max_new_tokens=5))
     assert len(greedy) == 3
     assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])
+
+
+def test_retiring_and_moving_sequences_never_wait_for_the_device(model_dir):
+    """A sampling decode step is launched before the host books the last one, so the device computes
+    while the host retires sequences and moves the others down: nothing in that booking may wait for
+    the step in flight. The same prompts ending at mixed lengths (a retirement and a move at most
+    steps) make no more synchronizing calls than when they all end together (one retirement)."""
+    import warnings
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = NativeRollout(NativeCausalLM.from_pretrained(model_dir, torch.bfloat16, "cuda"), tok,
+                           max_slots=64, max_len=64)
+    prompts = [tok.encode(t) for t in TEXTS[:10]]
+
+    def synchronizing_calls(limits: list[int]) -> list[str]:
+        params = SamplingParams(temperature=1.0, n=4, max_new_tokens=24, seed=0, limits=limits)
+        engine.generate(prompts, params)  # warm: the graphs captured
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.generate(prompts, params)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+    together = synchronizing_calls([24] * 10)
+    apart = synchronizing_calls([6 + 2 * i for i in range(10)])
+    assert engine.moved > 0, "no sequence moved down: the test lost its point"
+    assert len(apart) == len(together), f"mixed lengths: {apart}\nended together: {together}"
