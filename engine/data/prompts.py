@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, NamedTuple, TypeVar
 
-import datasets
 import numpy as np
 import torch
 
@@ -113,6 +112,8 @@ def read_rows(path: str, bad_lines: list[int] | None = None, lines: list[int] | 
         raise DataError(f"{path}: unsupported prompt file type; use one of {sorted(FORMATS)}")
     if Path(path).suffix == ".jsonl":
         return _read_jsonl(path, [] if bad_lines is None else bad_lines, [] if lines is None else lines)
+    import datasets  # here, not at the top: a stage worker unpickling its first Prompt would import it (0.5 s)
+
     library_log = logging.getLogger("datasets")
     level = library_log.level
     library_log.setLevel(logging.CRITICAL)  # datasets logs its own copy of the error DataError reports

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -13,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from engine.batch import RolloutRequest
 from engine.data import task
 from engine.data.prompts import (
     DataError,
@@ -317,3 +321,14 @@ def test_embedded_problems_are_zero_padded_sums(tmp_path) -> None:
         a, b = prompt[0]["content"].rstrip("=").split("+")
         assert len(a) == len(b) == 2 and truth["ground_truth"] == f"{int(a) + int(b):03d}"
     assert task.problem(7, 45, 2) == ("07+45=", "052") and task.problem(7, 45, 2, pad=False) == ("7+45=", "52")
+
+
+def test_a_worker_taking_its_first_prompts_does_not_import_the_file_readers():
+    """Stage workers get Prompt objects pickled in a step's requests and never read a file: the
+    unpickling imports engine.data.prompts, which must not import `datasets` (half a second, paid
+    inside the first step of every start)."""
+    code = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print('datasets' in sys.modules)"
+    request = RolloutRequest([Prompt([1, 2], "src", "3", None, "text")], 0)
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(request), capture_output=True,
+                         check=True, cwd=Path(__file__).resolve().parents[3])
+    assert out.stdout.decode().strip() == "False"
