@@ -158,8 +158,7 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
                 try:
                     pq.read_metadata(f)
                 except (pa.ArrowException, OSError) as e:
-                    why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                    raise ConfigError(f"data.{key}: {f}: not a readable parquet file: {why}") from None
+                    raise ConfigError(f"data.{key}: {f}: not a readable parquet file: {_first_line(e)}") from None
     if cfg.reward.model:
         _check_model_dir("reward.model", cfg.reward.model)
     for key, spec, what in (("reward.function", cfg.reward.function, "reward function"),
@@ -170,8 +169,12 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
                 if key == "rollout.env":
                     check_environment(loaded)
             except Exception as e:  # the user's module may fail in any way while it is imported
-                why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-                raise ConfigError(f"{key}={spec}: {why}") from None
+                raise ConfigError(f"{key}={spec}: {_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's first line, or its type's name when it says nothing: a config error's reason."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def init_ray(cfg: Config) -> None:

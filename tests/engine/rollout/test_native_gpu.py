@@ -1,6 +1,8 @@
 """The native engine on a GPU: CUDA-graph decode against eager decode and transformers' generate,
 and its logprobs against a training forward, in fp32 (exact) and bf16 (reported)."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import perturbed, trainer_logprobs
@@ -222,8 +224,6 @@ def test_retiring_and_moving_sequences_never_wait_for_the_device(model_dir):
     while the host retires sequences and moves the others down: nothing in that booking may wait for
     the step in flight. The same prompts ending at mixed lengths (a retirement and a move at most
     steps) make no more synchronizing calls than when they all end together (one retirement)."""
-    import warnings
-
     tok = AutoTokenizer.from_pretrained(model_dir)
     engine = NativeRollout(NativeCausalLM.from_pretrained(model_dir, torch.bfloat16, "cuda"), tok,
                            max_slots=64, max_len=64)
