@@ -131,7 +131,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--native", default="bf16", help="comma list of native engines: bf16, fp8 (weights), bf16-nomove "
-                    "(no sequence moves to a lower slot as others retire)")
+                    "(no sequence moves to a lower slot as others retire), bf16-fifo (prompts prefilled in "
+                    "the order they came, not shortest first)")
     ap.add_argument("--gap", type=int, default=0, help="sequences whose logprobs are checked against a bf16 forward")
     ap.add_argument("--hf-cache", default="dynamic,static", help="comma list: dynamic, static, or none")
     ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay")
@@ -158,11 +159,12 @@ def main() -> None:
               f"answers {min(answers)}-{max(answers)} (mean {sum(answers) / len(answers):.0f})")
     natives = {}  # "native" alone keeps the name earlier logs used
     for kind in args.native.split(","):
-        weights = {"bf16": None, "bf16-nomove": None, "fp8": fp8.FP8}[kind]
+        weights = {"bf16": None, "bf16-nomove": None, "bf16-fifo": None, "fp8": fp8.FP8}[kind]
         name = "native" if args.native == "bf16" else f"native {kind}"
         natives[name] = NativeRollout(NativeCausalLM.from_module(hf_model, dtype=weights), tok, max_slots=args.seqs,
                                       max_len=args.prompt + args.new)
         natives[name].MOVE = kind != "bf16-nomove"  # sequences stay in their slots until they end
+        natives[name].SORT = kind != "bf16-fifo"  # prompts prefilled in the order they came
     engines: dict = dict(natives)
     for cache in filter(lambda c: c in ("dynamic", "static"), args.hf_cache.split(",")):
         engines[f"hf {cache}"] = HFRollout(hf_model, tok, cache_implementation=cache)

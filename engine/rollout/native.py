@@ -1,7 +1,8 @@
 """The native rollout engine: our compact model (engine/rollout/model.py) behind `RolloutEngine`.
 
 Continuous batching over a fixed-slot KV cache. `generate` queues (prompt, sample) requests
-(`serve` takes them as they come, from a feed); each engine step either prefills newly admitted
+(`serve` takes them as they come, from a feed), fresh ones shortest prompt first, since a prefill
+step pads its prompts to the longest it holds; each engine step either prefills newly admitted
 requests (when slots are free) or decodes one token for every running sequence, then samples on
 the model's device and retires finished sequences, whose slots go to waiting requests; while none
 wait, the sequences still running move down to the lowest slots as others retire, so decode
@@ -114,6 +115,7 @@ class NativeRollout:
         self._col0 = torch.zeros(2, cfg.num_hidden_layers, max_slots, self.model.kv_heads, head_dim(cfg),
                                  dtype=weight.dtype, device=self.device)
         self.prefilled = self.reused = 0  # prompt tokens run through prefill, and found cached instead
+        self.padded = 0  # prefill's tokens computed, padding included
         # partial rollouts: called between engine steps, it may load new weights (`load_weights`) and
         # names the version now held, which the tokens of the steps launched after it carry
         self.swap: Callable[[], int] | None = None
@@ -310,8 +312,13 @@ class NativeRollout:
             seqs += [_Seq(r.prompt, key, limit=limit) for key in r.keys]
         continuing = self._reserve(seqs, reserved)  # to the front: fresh prompts must not take their slots
         waiting.extendleft(reversed(continuing))
-        waiting.extend(s for s in seqs if reserved.get(s.slot) is not s)
+        fresh = [s for s in seqs if reserved.get(s.slot) is not s]
+        if self.SORT:  # shortest first: a prefill step pads its prompts to the longest it holds
+            fresh.sort(key=lambda s: len(s.prompt))
+        waiting.extend(fresh)
         return True
+
+    SORT = True  # whether fresh requests queue by prompt length (`_take`); off only to measure it
 
     def _samples_in_graph(self, params: SamplingParams) -> bool:
         """Whether decode steps sample inside their CUDA graph: plain sampling with the Triton sampler."""
@@ -525,6 +532,7 @@ class NativeRollout:
             self._restore(slots)
         positions = cached[:, None] + torch.arange(ids.shape[1], device=self.device)
         self.prefilled += sum(lens)
+        self.padded += ids.numel()
         self.reused += sum(s.cached for s in rows)
         # a prompt over the budget comes alone (see _admit) and goes in chunks: bounded activations
         chunk = self.max_prefill_tokens

@@ -260,7 +260,7 @@ def test_weights_landing_between_steps_are_booked_per_token(model_dir, hf, tok):
         return int(len(calls) >= 4)
 
     engine.swap = swap
-    prompts = [tok.encode(t) for t in TEXTS[:4]]
+    prompts = sorted((tok.encode(t) for t in TEXTS[:4]), key=len)  # the engine's order: the first two go first
     out = [g[0] for g in engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))]
     assert all(len(c.token_ids) == 10 for c in out), "the tiny model's greedy answers run to the limit"
     assert [c.versions for c in out] == [[0] * 3 + [1] * 7] * 2 + [[1] * 10] * 2
@@ -312,3 +312,17 @@ def test_sequences_move_to_lower_slots_as_others_retire(model_dir, hf, tok):
     logp = trainer_logprobs(hf, prompts, 2, flat, tok.pad_token_id, 1.0)
     diff = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
     assert diff.mean() < 1e-4 and diff.max() < 1e-3, (diff.mean(), diff.max())
+
+
+def test_prompts_of_like_lengths_share_a_prefill_step(model_dir, tok):
+    """Fresh prompts queue shortest first, so a prefill step holds prompts of like lengths and pads
+    little; the answers are those of first-come order."""
+    prompts = [tok.encode("12+34=46, 5+6=11, 7+8=" if i % 2 else f"{i}+1=") for i in range(8)]
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    engines = [NativeRollout(model_dir, tok, max_slots=8, max_len=64, max_prefill_tokens=64) for _ in range(2)]
+    engines[1].SORT = False  # first come, first prefilled: each step pairs a short prompt with a long one
+    got, fifo = (e.generate(prompts, params) for e in engines)
+    assert engines[0].padded == engines[0].prefilled < engines[1].padded, (engines[0].padded, engines[1].padded)
+    for a, b in zip(got, fifo):
+        assert a[0].token_ids == b[0].token_ids
+        torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
