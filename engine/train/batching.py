@@ -4,6 +4,8 @@ made on the host before any forward.
 Invariants:
 - a micro-batch never exceeds its token budget (real tokens when packing, rows x width when
   padded) unless one sequence, or one shared prompt with one response, alone does;
+- packed, a step's micro-batches are as few as first-fit decreasing makes and, where they fit,
+  evened out (`even_bins`);
 - every row lands in exactly one micro-batch (one part, for `balance`);
 - with shared prompts, a group's rows stay together unless they overflow the budget, and each
   part of a split group counts its prompt again.
@@ -19,14 +21,14 @@ import torch
 def micro_batches(mask: torch.Tensor, budget: int, pack: bool, group_size: int = 1,
                   prompt_width: int = 0) -> list[torch.Tensor]:
     """Row indices of each micro-batch of `mask` [N, L]: packed, sequences grouped by real length
-    (first-fit decreasing); padded, consecutive rows of rows x L <= budget (>= 1 row).
+    (`even_bins`); padded, consecutive rows of rows x L <= budget (>= 1 row).
 
     With `prompt_width` (shared prompts, `shared_prompt_row`), each run of `group_size` rows shares
     the prompt in its first `prompt_width` columns: groups are packed whole, counting their prompt
     once; a group over the budget is split, each part counting the prompt again."""
     if not prompt_width:
         if pack:
-            return [torch.tensor(rows) for rows in first_fit_decreasing(mask.sum(1).tolist(), budget)]
+            return [torch.tensor(rows) for rows in even_bins(mask.sum(1).tolist(), budget)]
         per = max(1, budget // mask.shape[1])
         return [torch.arange(i, min(i + per, len(mask))) for i in range(0, len(mask), per)]
     real, prompt = mask.sum(1).tolist(), mask[:, :prompt_width].sum(1).tolist()
@@ -40,7 +42,7 @@ def micro_batches(mask: torch.Tensor, budget: int, pack: bool, group_size: int =
                 sizes.append(prompt[r])
             parts[-1].append(r)
             sizes[-1] += extra
-    return [torch.tensor([r for i in sorted(bin_) for r in parts[i]]) for bin_ in first_fit_decreasing(sizes, budget)]
+    return [torch.tensor([r for i in sorted(bin_) for r in parts[i]]) for bin_ in even_bins(sizes, budget)]
 
 
 def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
@@ -56,6 +58,23 @@ def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
         bins[fit].append(i)
         loads[fit] += sizes[i]
     return bins
+
+
+def even_bins(sizes: list[int], budget: int) -> list[list[int]]:
+    """Indices of `sizes` in as many bins as first-fit decreasing needs, with their totals evened out
+    (largest first, each onto the lightest bin): no bin is lighter than another by more than the
+    largest item. First-fit's bins instead where evening would overflow a bin with more than one item.
+    A small last micro-batch runs below the device's rate, and a compiled layer traces again for
+    it (its cached kernels carry a size guard)."""
+    bins = first_fit_decreasing(sizes, budget)
+    even: list[list[int]] = [[] for _ in bins]
+    loads = [0] * len(bins)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        lightest = min(range(len(bins)), key=loads.__getitem__)
+        even[lightest].append(i)
+        loads[lightest] += sizes[i]
+    fits = all(load <= budget or len(b) == 1 for b, load in zip(even, loads))
+    return even if fits else bins
 
 
 def balance(loads: list[float], parts: int) -> list[list[int]]:

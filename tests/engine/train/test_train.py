@@ -1,3 +1,4 @@
+import random
 import shutil
 
 import pytest
@@ -7,7 +8,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from engine import algos
-from engine.train.batching import balance, first_fit_decreasing, micro_batches
+from engine.train.batching import balance, even_bins, first_fit_decreasing, micro_batches
 from engine.train.fsdp import TrainEngine, chunked_token_stats, forward_logprobs, lr_lambda, step_metrics
 from engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
 
@@ -24,8 +25,22 @@ def test_packed_micro_batches_hold_real_tokens_within_budget():
         mask[row, 10 - n:] = 1  # left padding, as prompts have it
     chunks = micro_batches(mask, 10, pack=True)
     assert sorted(r for c in chunks for r in c.tolist()) == list(range(6))
-    assert [int(mask[c].sum()) for c in chunks] == [10, 10, 7]  # 27 tokens in the fewest bins of 10
+    assert [int(mask[c].sum()) for c in chunks] == [9, 9, 9]  # 27 tokens in the fewest bins of 10, evened out
     assert first_fit_decreasing([12, 3], 10) == [[0], [1]]  # too long for the budget: alone
+    assert even_bins([12, 3], 10) == [[0], [1]]
+
+
+def test_packed_micro_batches_are_even_and_as_few_as_first_fit_makes():
+    """No small last micro-batch: each costs a compiled layer another trace on CUDA, and runs below
+    the device's rate. Sequence lengths as a GRPO step's, 16k-token micro-batches."""
+    rng = random.Random(0)
+    for _ in range(20):
+        sizes = [rng.randint(40, 1200) for _ in range(rng.randint(50, 600))]
+        bins = even_bins(sizes, 16384)
+        loads = [sum(sizes[i] for i in b) for b in bins]
+        assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
+        assert len(bins) == len(first_fit_decreasing(sizes, 16384)) and max(loads) <= 16384
+        assert max(loads) - min(loads) <= max(sizes), loads
 
 
 def test_balance_splits_equal_counts_with_near_equal_loads():
