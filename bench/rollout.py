@@ -118,7 +118,44 @@ def profile(native: NativeRollout, mid_len: int) -> None:
             graph.replay()
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+    rows_cost(native, mid_len)
     native._kv_lens.zero_()
+
+
+def rows_cost(native: NativeRollout, kv: int) -> None:
+    """A decode step's time at each captured row count, every live row `kv` tokens in: a least-squares
+    fit of a fixed part (what a step costs at any row count) plus a part per row; and how many
+    kernels one replay at a single row runs, their busy time and the gaps between them."""
+    sampled = any(s for _, s in native.graphs or ())
+    times = {}
+    for rows in native.row_sizes:
+        graph = native.graphs[(rows, sampled)]
+        runs = []
+        for _ in range(3):
+            sync()
+            start = time.perf_counter()
+            for _ in range(20):
+                native._kv_lens[:rows] = kv  # a sampling replay moves each row on by one
+                graph.replay()
+            sync()
+            runs.append((time.perf_counter() - start) / 20 * 1e3)
+        times[rows] = statistics.median(runs)
+    fit = statistics.linear_regression(list(times), list(times.values()))
+    print(f"  decode step by rows at {kv} tokens a row (ms): " + " ".join(f"{r}:{t:.3f}" for r, t in times.items()))
+    print(f"  fit: {fit.intercept:.3f} ms a step + {fit.slope * 1e3:.2f} us a row")
+    native._kv_lens.zero_()
+    native._kv_lens[:1] = kv
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            native._kv_lens[:1] = kv
+            native.graphs[(1, sampled)].replay()
+        sync()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    span = (kernels[-1][1] - kernels[0][0]) / 10
+    busy = sum(end - start for start, end in kernels) / 10
+    print(f"  one row: {len(kernels) / 10:.0f} kernels a replay (the input write included), {busy:.0f} us busy, "
+          f"{span - busy:.0f} us between them, under the profiler")
 
 
 def main() -> None:
@@ -135,7 +172,8 @@ def main() -> None:
                     "the order they came, not shortest first)")
     ap.add_argument("--gap", type=int, default=0, help="sequences whose logprobs are checked against a bf16 forward")
     ap.add_argument("--hf-cache", default="dynamic,static", help="comma list: dynamic, static, or none")
-    ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay")
+    ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay, and a "
+                    "step's time by row count")
     ap.add_argument("--hbm-tbps", type=float, help="HBM bandwidth for the roofline (default: measured by a copy)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
