@@ -170,13 +170,16 @@ def logits_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float
 def chunked_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                         entropy: bool = True, chunk: int = LOGITS_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of each target [M] and softmax entropy [M] (zeros unless `entropy`) of hidden [M, H]
-    through `head`, `chunk` tokens at a time; under autograd a chunk's logits are recomputed in backward."""
+    through `head`, in as few chunks of at most `chunk` tokens as fit, of sizes within one token of
+    each other (a one-token last chunk would cost the compiled statistics another trace); under
+    autograd a chunk's logits are recomputed in backward."""
     def stats(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return logits_stats(head(h), t, temperature, entropy)
 
     run = partial(checkpoint, stats, use_reentrant=False) if torch.is_grad_enabled() else stats
     # no tokens still runs the head (on none): its weight gets a (zero) gradient, as on other ranks
-    parts = [run(hidden[i:i + chunk], targets[i:i + chunk]) for i in range(0, max(len(hidden), 1), chunk)]
+    n = max(1, -(-len(hidden) // chunk))
+    parts = [run(h, t) for h, t in zip(hidden.tensor_split(n), targets.tensor_split(n))]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 

@@ -222,7 +222,10 @@ def test_chunked_logprobs_and_entropy_match_full_logits():
     logits = head(hidden) / 0.8
     full = algos.token_logprobs(logits, targets), algos.entropy_from_logits(logits)
     want = torch.autograd.grad(full[0].sum() + full[1].sum(), [hidden, head.weight])
-    chunked = chunked_token_stats(head, hidden, targets, 0.8, chunk=4)  # 4 + 4 + 4 + 1 rows
+    rows: list[int] = []
+    head.register_forward_hook(lambda _, args, out: rows.append(len(args[0])))
+    chunked = chunked_token_stats(head, hidden, targets, 0.8, chunk=4)
+    assert rows == [4, 3, 3, 3]  # as few chunks as fit, even: no one-row last chunk
     got = torch.autograd.grad(chunked[0].sum() + chunked[1].sum(), [hidden, head.weight])
     torch.testing.assert_close(chunked, full)
     torch.testing.assert_close(got, want)
