@@ -15,6 +15,8 @@ Run: python -m pytest tests/engine/train/test_train.py -k "micro_batches or bala
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -67,20 +69,16 @@ def even_bins(sizes: list[int], budget: int) -> list[list[int]]:
     A small last micro-batch runs below the device's rate, and a compiled layer traces again for
     it (its cached kernels carry a size guard)."""
     bins = first_fit_decreasing(sizes, budget)
-    even: list[list[int]] = [[] for _ in bins]
-    loads = [0] * len(bins)
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        lightest = min(range(len(bins)), key=loads.__getitem__)
-        even[lightest].append(i)
-        loads[lightest] += sizes[i]
-    fits = all(load <= budget or len(b) == 1 for b, load in zip(even, loads))
+    even = balance(sizes, len(bins), room=len(sizes))
+    fits = all(sum(sizes[i] for i in b) <= budget or len(b) == 1 for b in even)
     return even if fits else bins
 
 
-def balance(loads: list[float], parts: int) -> list[list[int]]:
-    """Indices of `loads` in `parts` parts of equal count (len divisible by parts) with near-equal
-    sums: heaviest first, each onto the lightest part that still has room (greedy largest-first)."""
-    size = len(loads) // parts
+def balance(loads: Sequence[float], parts: int, room: int = 0) -> list[list[int]]:
+    """Indices of `loads` in `parts` parts of at most `room` items each (default: equal counts, len
+    divisible by parts) with near-equal sums: heaviest first, each onto the lightest part that still
+    has room (greedy largest-first)."""
+    size = room or len(loads) // parts
     out: list[list[int]] = [[] for _ in range(parts)]
     sums = [0.0] * parts
     for i in sorted(range(len(loads)), key=lambda i: -loads[i]):
