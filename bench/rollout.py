@@ -166,10 +166,13 @@ def main() -> None:
     ap.add_argument("--lengths", default="fixed", choices=["fixed", "mix"])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--slots", type=int, help="sequences that run at once (default --seqs): fewer is the regime where "
+                    "the KV cache's memory is what limits them")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--native", default="bf16", help="comma list of native engines: bf16, fp8 (weights), bf16-nomove "
                     "(no sequence moves to a lower slot as others retire), bf16-fifo (prompts prefilled in "
-                    "the order they came, not shortest first)")
+                    "the order they came, not shortest first), bf16-nofan (samples waiting for a slot prefill their "
+                    "prompt again instead of copying a running sibling's)")
     ap.add_argument("--gap", type=int, default=0, help="sequences whose logprobs are checked against a bf16 forward")
     ap.add_argument("--hf-cache", default="dynamic,static", help="comma list: dynamic, static, or none")
     ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay, and a "
@@ -197,17 +200,18 @@ def main() -> None:
               f"answers {min(answers)}-{max(answers)} (mean {sum(answers) / len(answers):.0f})")
     natives = {}  # "native" alone keeps the name earlier logs used
     for kind in args.native.split(","):
-        weights = {"bf16": None, "bf16-nomove": None, "bf16-fifo": None, "fp8": fp8.FP8}[kind]
+        weights = {"bf16": None, "bf16-nomove": None, "bf16-fifo": None, "bf16-nofan": None, "fp8": fp8.FP8}[kind]
         name = "native" if args.native == "bf16" else f"native {kind}"
-        natives[name] = NativeRollout(NativeCausalLM.from_module(hf_model, dtype=weights), tok, max_slots=args.seqs,
-                                      max_len=args.prompt + args.new)
+        natives[name] = NativeRollout(NativeCausalLM.from_module(hf_model, dtype=weights), tok,
+                                      max_slots=args.slots or args.seqs, max_len=args.prompt + args.new)
         natives[name].MOVE = kind != "bf16-nomove"  # sequences stay in their slots until they end
         natives[name].SORT = kind != "bf16-fifo"  # prompts prefilled in the order they came
+        natives[name].FAN = kind != "bf16-nofan"  # each sample prefills its prompt
     engines: dict = dict(natives)
     for cache in filter(lambda c: c in ("dynamic", "static"), args.hf_cache.split(",")):
         engines[f"hf {cache}"] = HFRollout(hf_model, tok, cache_implementation=cache)
     print(f"{args.shape}, {count} prompts x {args.samples} samples ({args.prompt} -> {args.new}"
-          f"{', at most' if mix else ''}), {dtype}, "
+          f"{', at most' if mix else ''}), {args.slots or args.seqs} slots, {dtype}, "
           f"{torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}")
     warm = {name: timed(engine, prompts, params)[0] for name, engine in engines.items()}  # first calls: slow
     runs: dict[str, list[tuple[float, int]]] = {name: [] for name in engines}
@@ -233,12 +237,15 @@ def main() -> None:
             print(f"  {name} / best hf = {results[name] / hf_best:.2f}x")
     for name, native in natives.items():
         native.phase_s = {}
+        counts = native.padded, native.fanned
         sync()
         start = time.perf_counter()
         native.generate(prompts, params)
         total = time.perf_counter() - start
         print(f"  {name} phases (synchronized run, {total:.2f} s): "
-              + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)" for k, v in sorted(native.phase_s.items())))
+              + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)" for k, v in sorted(native.phase_s.items()))
+              + f"; {native.padded - counts[0]:,} tokens prefilled (padding included), "
+              f"{native.fanned - counts[1]} samples took a sibling's prompt")
         if args.profile and device == "cuda":
             profile(native, args.prompt + args.new // 2 - 30)  # 60 replays end halfway
     for name, native in natives.items() if args.gap else ():
@@ -263,7 +270,7 @@ def main() -> None:
                 print(f"  {name}: against a floor that also reads each live row's KV ({moved[1] / 1e9:.1f} GB) and "
                       f"writes its logits ({moved[2] / 1e9:.1f} GB) once a step: {floor:.3f} s ({gen / floor:.2f}x)")
                 continue
-            peak = roofline(cfg, weight_bytes, args.seqs, args.prompt, args.new, dtype.itemsize, tbps)
+            peak = roofline(cfg, weight_bytes, args.slots or args.seqs, args.prompt, args.new, dtype.itemsize, tbps)
             print(f"  HBM {tbps:.2f} TB/s ({'given' if args.hbm_tbps else 'measured: 1 GiB device copy'}); {name}: "
                   f"weights {weight_bytes / 1e9:.2f} GB, decode roofline ~{peak:,.0f} tok/s, reaches "
                   f"{100 * results[name] / peak:.0f}%")

@@ -116,6 +116,7 @@ class NativeRollout:
                                  dtype=weight.dtype, device=self.device)
         self.prefilled = self.reused = 0  # prompt tokens run through prefill, and found cached instead
         self.padded = 0  # prefill's tokens computed, padding included
+        self.fanned = 0  # samples that copied a running sibling's prompt instead of a prefill (`_fan_out`)
         # partial rollouts: called between engine steps, it may load new weights (`load_weights`) and
         # names the version now held, which the tokens of the steps launched after it carry
         self.swap: Callable[[], int] | None = None
@@ -225,7 +226,7 @@ class NativeRollout:
                     break
                 # schedule: join continued sequences to decode, admit what fits, else decode
                 # everyone; run; sample; retire
-                joined = self._join(waiting, free, reserved)
+                joined = self._join(waiting, free, reserved) + self._fan_out(waiting, free, reserved, running, spare)
                 if joined:
                     running, rows = running + joined, None
                 due = bool(waiting and free) and (not spare or not running or stalled >= self.PATIENCE
@@ -397,6 +398,44 @@ class NativeRollout:
         self._restore(slots)
         self._kv_lens[slots] = to_device(torch.tensor([s.cached for s in joined]), self.device)
         return joined
+
+    def _fan_out(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq], running: list[_Seq],
+                 spare: bool) -> list[_Seq]:
+        """Move waiting samples of a prompt that a running sequence holds into free slots: each copies
+        the K/V of that prompt but its last token, which the decode step it joins feeds. So while slots
+        are scarce a prompt is prefilled once, not once a sample, and a sample that finds a slot does
+        not wait for a prefill step (which holds every running sequence)."""
+        if not (free and waiting and self.FAN):
+            return []
+        holders = {id(s.prompt): s for s in running if len(s.feeding) <= 1}  # the prompt's K/V but its last token
+        if not holders:
+            return []
+        room = sum(f not in reserved for f in free)  # slots kept for a continued history stay theirs
+        joined: list[_Seq] = []
+        kept: deque[_Seq] = deque()
+        for s in waiting:
+            if len(joined) < room and id(s.prompt) in holders and reserved.get(s.slot) is not s:
+                joined.append(s)
+            else:
+                kept.append(s)
+        if not joined:
+            return []
+        waiting.clear()
+        waiting.extend(kept)
+        for s in joined:
+            s.slot = self._free_slot(free, reserved, spare)
+            free.remove(s.slot)
+            self.histories.forget(s.slot)
+            s.cached, s.feeding = len(s.prompt) - 1, s.prompt[-1:]
+        self.prefilled += len(joined)
+        self.reused += sum(s.cached for s in joined)
+        self.fanned += len(joined)
+        src, dst = to_device(torch.tensor([[holders[id(s.prompt)].slot, s.slot] for s in joined]).T, self.device)
+        self._share(src, dst, max(s.cached for s in joined))
+        self._kv_lens[dst] = to_device(torch.tensor([s.cached for s in joined]), self.device)
+        return joined
+
+    FAN = True  # whether waiting samples copy a running sibling's prompt (`_fan_out`); off only to measure it
 
     def _feed(self, batch: list[_Seq]) -> None:
         """Before a decode step over `batch`: each sequence still being fed gets its next prompt token

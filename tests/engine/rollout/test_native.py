@@ -326,3 +326,30 @@ def test_prompts_of_like_lengths_share_a_prefill_step(model_dir, tok):
     for a, b in zip(got, fifo):
         assert a[0].token_ids == b[0].token_ids
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
+
+
+def test_samples_waiting_for_a_slot_copy_a_running_siblings_prompt(model_dir, hf, tok):
+    """With fewer slots than samples, a prompt's samples that wait for a slot take its K/V from a
+    running sibling's slot instead of a prefill of their own: each prompt is prefilled once. The
+    answers are those of an engine with a slot for every sample (greedy), and sampled ones score as
+    the trainer does."""
+    prompts = [tok.encode(t) for t in ("12+34=46, 5+6=", "1+1=", "99+99=198, 7+")]
+    limits = [12, 3, 8]  # samples of one prompt retire together; while one runs, a slot frees for another
+    greedy = SamplingParams(temperature=0, n=4, max_new_tokens=12, limits=limits)
+    engine = NativeRollout(model_dir, tok, max_slots=5, max_len=64)
+    got = engine.generate(prompts, greedy)
+    assert engine.fanned >= 4, engine.fanned
+    assert engine.prefilled - engine.fanned == sum(map(len, prompts)), (engine.prefilled, engine.fanned)
+    want = NativeRollout(model_dir, tok, max_slots=12, max_len=64).generate(prompts, greedy)
+    for a, b in zip(got, want):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=1e-4)
+
+    sampled = SamplingParams(temperature=1.0, n=4, max_new_tokens=12, limits=limits, seed=3)
+    fanned = engine.fanned
+    flat = [c for g in engine.generate(prompts, sampled) for c in g]
+    assert engine.fanned > fanned
+    logp = trainer_logprobs(hf, prompts, 4, flat, tok.pad_token_id, 1.0)
+    diff = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
+    assert diff.mean() < 1e-4 and diff.max() < 1e-3, (diff.mean(), diff.max())
