@@ -20,8 +20,11 @@ logprobs of N sampled sequences against a bf16 training forward (the HF model) o
 tokens.
 
 `--samples k` generates k samples of each of `--seqs / k` prompts, sharing each prompt's prefill
-as GRPO does. `--lengths mix` runs the length mix of bench/e2e.py (bench/length_mix.py): prompt
-lengths drawn up to `--prompt`, each answer ending at its drawn length up to `--new` (the native
+as GRPO does. `--slots M` runs at most M of the sequences at once (the rest wait for a slot), as
+when the KV cache's memory limits them.
+
+`--lengths mix` runs the length mix of bench/e2e.py (bench/length_mix.py): prompt lengths drawn up
+to `--prompt`, each answer ending at its drawn length up to `--new` (the native
 engines only: transformers' generate cannot end rows at their own lengths here), and reports the
 step's generation floor (on CUDA): the prefill of its prompts as the engine runs it alone (a
 call for one new token each), plus its longest answer's decode steps at one read of the weights

@@ -1,14 +1,16 @@
 """The native rollout engine: our compact model (engine/rollout/model.py) behind `RolloutEngine`.
 
 Continuous batching over a fixed-slot KV cache. `generate` queues (prompt, sample) requests
-(`serve` takes them as they come, from a feed), fresh ones shortest prompt first, since a prefill
-step pads its prompts to the longest it holds; each engine step either prefills newly admitted
-requests (when slots are free) or decodes one token for every running sequence, then samples on
-the model's device and retires finished sequences, whose slots go to waiting requests; while none
-wait, the sequences still running move down to the lowest slots as others retire, so decode
-steps (over rows 0 to the highest busy slot) shrink with them. A request
-that continues a history kept in an idle slot by at most FOLD tokens skips prefill: it joins the
-decode steps at once, fed its new tokens one a step.
+(`serve` takes them as they come, from a feed), fresh ones shortest prompt first (a prefill step
+pads its prompts to the longest it holds), and by sample first while they outnumber the slots;
+each engine step either prefills newly admitted requests (when slots are free) or decodes one
+token for every running sequence, then samples on the model's device and retires finished
+sequences, whose slots go to waiting requests; while none wait, the sequences still running
+move down to the lowest slots as others retire, so decode steps (over rows 0 to the highest busy
+slot) shrink with them. Two kinds of request skip prefill and join the decode steps at once, fed
+their last tokens one a step: one that continues a history kept in an idle slot by at most FOLD
+tokens, and a sample whose prompt a running sibling holds, whose K/V it copies (so while slots are
+scarce a prompt is prefilled once, not once a sample).
 
 On CUDA, decode replays a CUDA graph captured per row count (decode row i is cache slot i, so
 attention reads the cache in place), whose inputs (each slot's last token and cached count) stay
@@ -71,6 +73,7 @@ from engine.tensors import to_device
 class _Seq:
     prompt: list[int]
     key: Any  # handed back with its completion
+    sample: int = 0  # its index among its request's samples
     slot: int = -1
     cached: int = 0  # the prompt's first tokens already in the slot's cache (a continued sequence)
     limit: int = 0  # max new tokens
@@ -310,16 +313,19 @@ class NativeRollout:
             if not r.prompt or len(r.prompt) + limit > self.max_len:
                 raise ValueError(f"a request of {len(r.prompt)} prompt tokens and {limit} new ones does not fit "
                                  f"max_len={self.max_len} (or its prompt is empty)")
-            seqs += [_Seq(r.prompt, key, limit=limit) for key in r.keys]
+            seqs += [_Seq(r.prompt, key, j, limit=limit) for j, key in enumerate(r.keys)]
         continuing = self._reserve(seqs, reserved)  # to the front: fresh prompts must not take their slots
         waiting.extendleft(reversed(continuing))
         fresh = [s for s in seqs if reserved.get(s.slot) is not s]
-        if self.SORT:  # shortest first: a prefill step pads its prompts to the longest it holds
-            fresh.sort(key=lambda s: len(s.prompt))
+        if self.SORT:  # shortest first: a prefill step pads its prompts to the longest it holds; with more
+            # sequences than slots, first samples first: each prompt is prefilled once, early, and its
+            # other samples copy it as slots free (`_fan_out`)
+            scarce = len(waiting) + len(fresh) > self.max_slots
+            fresh.sort(key=lambda s: (s.sample if scarce else 0, len(s.prompt)))
         waiting.extend(fresh)
         return True
 
-    SORT = True  # whether fresh requests queue by prompt length (`_take`); off only to measure it
+    SORT = True  # whether fresh requests queue by prompt length (and sample, `_take`); off only to measure it
 
     def _samples_in_graph(self, params: SamplingParams) -> bool:
         """Whether decode steps sample inside their CUDA graph: plain sampling with the Triton sampler."""
@@ -412,16 +418,13 @@ class NativeRollout:
             return []
         room = sum(f not in reserved for f in free)  # slots kept for a continued history stay theirs
         joined: list[_Seq] = []
-        kept: deque[_Seq] = deque()
-        for s in waiting:
-            if len(joined) < room and id(s.prompt) in holders and reserved.get(s.slot) is not s:
-                joined.append(s)
-            else:
-                kept.append(s)
+        passed: list[_Seq] = []  # back to the queue's front, in order
+        while waiting and len(joined) < room:  # samples of held prompts queue early: few are passed
+            s = waiting.popleft()
+            (joined if id(s.prompt) in holders and reserved.get(s.slot) is not s else passed).append(s)
+        waiting.extendleft(reversed(passed))
         if not joined:
             return []
-        waiting.clear()
-        waiting.extend(kept)
         for s in joined:
             s.slot = self._free_slot(free, reserved, spare)
             free.remove(s.slot)

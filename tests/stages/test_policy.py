@@ -270,13 +270,14 @@ def test_tokens_off_the_loss_mask_move_nothing_in_the_update(model_dir, data_fil
         return m, [p.grad.clone() for p in fresh.engine.model.parameters()]
 
     (clean, clean_grads), (dirty, dirty_grads) = update(observed), update(garbage)
-    unmasked, _ = update(Advantage(cfg).estimate(actor.logprobs(batch.rows(slice(None)))))
+    _, unmasked_grads = update(Advantage(cfg).estimate(actor.logprobs(batch.rows(slice(None)))))
     for k in clean:
         if k.startswith(("actor/", "rollout_correction/", "training/")):
             assert dirty[k] == pytest.approx(clean[k], rel=1e-5, abs=1e-8), k
     for a, b in zip(dirty_grads, clean_grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
-    assert unmasked["actor/pg_loss"] != pytest.approx(clean["actor/pg_loss"], rel=1e-3)
+    moved = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(unmasked_grads, clean_grads))
+    assert moved > 1e-2, moved
 
 
 def test_a_bf16_rollout_trains_an_fp32_policy_with_the_gap_corrected(model_dir, data_files):

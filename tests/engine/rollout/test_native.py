@@ -334,12 +334,18 @@ def test_samples_waiting_for_a_slot_copy_a_running_siblings_prompt(model_dir, hf
     answers are those of an engine with a slot for every sample (greedy), and sampled ones score as
     the trainer does."""
     prompts = [tok.encode(t) for t in ("12+34=46, 5+6=", "1+1=", "99+99=198, 7+")]
-    limits = [12, 3, 8]  # samples of one prompt retire together; while one runs, a slot frees for another
+    # 12 samples in 10 slots, queued by sample then length: the last samples of the two longer
+    # prompts wait, and take slots when those of the shortest retire, while their siblings run
+    limits = [12, 3, 8]
     greedy = SamplingParams(temperature=0, n=4, max_new_tokens=12, limits=limits)
-    engine = NativeRollout(model_dir, tok, max_slots=5, max_len=64)
+    engine = NativeRollout(model_dir, tok, max_slots=10, max_len=64)
     got = engine.generate(prompts, greedy)
-    assert engine.fanned >= 4, engine.fanned
+    assert engine.fanned == 2, engine.fanned
     assert engine.prefilled - engine.fanned == sum(map(len, prompts)), (engine.prefilled, engine.fanned)
+    each = NativeRollout(model_dir, tok, max_slots=10, max_len=64)
+    each.FAN = False
+    each.generate(prompts, greedy)
+    assert each.prefilled > engine.prefilled - engine.fanned  # without: those two prefilled again
     want = NativeRollout(model_dir, tok, max_slots=12, max_len=64).generate(prompts, greedy)
     for a, b in zip(got, want):
         for x, y in zip(a, b):
