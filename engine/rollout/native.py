@@ -413,7 +413,9 @@ class NativeRollout:
         not wait for a prefill step (which holds every running sequence)."""
         if not (free and waiting and self.FAN):
             return []
-        holders = {id(s.prompt): s for s in running if len(s.feeding) <= 1}  # the prompt's K/V but its last token
+        # a holder has the prompt's K/V but its last token in; a one-token prompt has none to copy (and a
+        # row at 0 cached tokens is idle to the decode graphs, which would not count its tokens)
+        holders = {id(s.prompt): s for s in running if len(s.feeding) <= 1 and len(s.prompt) > 1}
         if not holders:
             return []
         room = sum(f not in reserved for f in free)  # slots kept for a continued history stay theirs

@@ -54,7 +54,9 @@ def test_greedy_graphs_eager_and_hf(model_dir, dtype):
         assert same >= 0.75 * len(prompts)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+# bf16: 1.4e-3 measured; a one-token prompt whose samples copied it from a sibling, and so decoded
+# from 0 cached tokens, gave 2e-2
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
 def test_sampled_logprobs_match_training_forward(model_dir, dtype, tol):
     tok, hf, graphs, _ = engines(model_dir, dtype)
     prompts = [tok.encode(t) for t in TEXTS[:10]]
