@@ -10,7 +10,9 @@ move down to the lowest slots as others retire, so decode steps (over rows 0 to 
 slot) shrink with them. Two kinds of request skip prefill and join the decode steps at once, fed
 their last tokens one a step: one that continues a history kept in an idle slot by at most FOLD
 tokens, and a sample whose prompt a running sibling holds, whose K/V it copies (so while slots are
-scarce a prompt is prefilled once, not once a sample).
+scarce a prompt is prefilled once, not once a sample). A prompt over the prefill budget
+(`max_prefill_tokens`) goes in chunk by chunk, and the running sequences decode a step between two
+chunks, so a long prompt does not hold them for its whole prefill.
 
 On CUDA, decode replays a CUDA graph captured per row count (decode row i is cache slot i, so
 attention reads the cache in place), whose inputs (each slot's last token and cached count) stay
@@ -85,6 +87,21 @@ class _Seq:
     finish: str = ""  # "" while running, then "stop" | "length"
 
 
+@dataclass
+class _Prefill:
+    """A prefill under way: one row per distinct prompt, right-padded; its chunks go in one an engine step."""
+    batch: list[_Seq]
+    owner: torch.Tensor  # [B] each sequence's row
+    ids: torch.Tensor  # [P, S]
+    positions: torch.Tensor  # [P, S]
+    slots: torch.Tensor  # [P]
+    cached: torch.Tensor  # [P] tokens each row's slot already holds (a continued history)
+    lens: list[int]  # what each row prefills
+    continued: bool
+    reach: int  # the most any row's slot already holds
+    done: int = 0  # columns of `ids` already in
+
+
 class NativeRollout:
     """Continuous-batching generation with our own model; implements `RolloutEngine`."""
 
@@ -138,6 +155,7 @@ class NativeRollout:
         self.row_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < max_slots}
                                 | set(range(64, max_slots, 64)) | {max_slots})
         self.moved = 0  # sequences moved to a lower slot mid-decode (`_compact`)
+        self.between = 0  # decode steps run between two chunks of a long prefill
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = {}
             self._hidden = torch.zeros(max_slots, cfg.hidden_size, dtype=weight.dtype, device=self.device)
@@ -215,6 +233,8 @@ class NativeRollout:
         rows: torch.Tensor | None = None  # running's slots on the device, while running is unchanged
         ahead: list[_Seq] | None = None  # the sequences of a sampling decode launched before the last was read
         ahead_version = self.version  # the weights version that step was launched with
+        filling: _Prefill | None = None  # a prefill whose chunks alternate with the running ones' decode steps
+        chunked = False  # whether the last step ran a chunk of it
         with torch.inference_mode():
             self._lap("")
             while True:
@@ -223,7 +243,7 @@ class NativeRollout:
                     finished = []
                 if self.swap is not None:  # new weights land between steps; a step launched ahead keeps
                     self.version = self.swap()  # the old ones (the copy queues behind it on the stream)
-                if not (waiting or running):
+                if not (waiting or running or filling):
                     if more:
                         continue
                     break
@@ -234,32 +254,45 @@ class NativeRollout:
                     running, rows = running + joined, None
                 due = bool(waiting and free) and (not spare or not running or stalled >= self.PATIENCE
                                                  or len(waiting) * self.FRACTION >= len(running))
-                admitted = self._admit(waiting, free, reserved, spare) if ahead is None and due else []
+                admitted = self._admit(waiting, free, reserved, spare) if ahead is None and due and not filling else []
                 stalled = 0 if admitted or not waiting else stalled + 1
+                if admitted:
+                    filling = self._start_prefill(admitted)
                 self._lap("schedule")
-                stepped = admitted or running
+                entered: list[_Seq] = []  # the sequences whose prefill ends this step
+                if filling is not None and not (running and chunked):  # a chunk, else the running decode first
+                    logits, chunked = self._prefill_chunk(filling), True
+                    if logits is None:  # more chunks to go
+                        self._lap("prefill")
+                        continue
+                    entered, filling = filling.batch, None
+                else:
+                    self.between += chunked and filling is not None
+                    chunked = False
+                stepped = entered or running
                 # the weights version of the step whose tokens are booked below: one launched ahead keeps its own
                 version = self.version if ahead is None else ahead_version
-                if in_graph and not admitted:  # one replay: decode, sample, next inputs
-                    # the next step is a decode too unless waiting requests are due a prefill
+                if in_graph and not entered:  # one replay: decode, sample, next inputs
+                    # the next step is a decode too unless a prefill is due or under way
                     stepped, ahead, tokens_list, logprobs_list = self._sampled_step(
-                        running, ahead, generator, then_decode=bool(running) and not due)
+                        running, ahead, generator, then_decode=bool(running) and not due and filling is None)
                     ahead_version = self.version
                     self._lap("decode")
                 else:
-                    if admitted:
-                        slots, logits = self._slots(admitted), self._prefill(admitted)
+                    if entered:
+                        assert logits is not None
+                        slots = self._slots(entered)
                     else:
                         rows = self._slots(running) if rows is None else rows
                         slots, logits = rows, self._decode(running, rows)
-                    self._lap("prefill" if admitted else "decode")
+                    self._lap("prefill" if entered else "decode")
                     tokens, logprobs = sample(logits, params, generator)
-                    self._advance(slots, tokens, admitted)
+                    self._advance(slots, tokens, entered)
                     tokens_list, logprobs_list = tokens.tolist(), logprobs.tolist()
                     self._lap("sample")
                 retired = self._book(stepped, tokens_list, logprobs_list, version, stops, params, finished)
-                if admitted or retired:
-                    running, rows = [s for s in running + admitted if not s.finish], None
+                if entered or retired:
+                    running, rows = [s for s in running + entered if not s.finish], None
                 if retired:
                     self._retire(retired, running, bool(waiting), free, reserved)
                 self._lap("schedule")
@@ -461,7 +494,8 @@ class NativeRollout:
 
     def _admit(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq], spare: bool) -> list[_Seq]:
         """Move waiting requests into free slots while their distinct prompts fit the padded
-        prefill-token budget; a prompt longer than the budget comes alone (and is chunked). A prompt
+        prefill-token budget; a prompt longer than the budget comes alone (its chunks alternate with
+        the running sequences' decode steps, `_prefill_chunk`). A prompt
         that continues what an idle slot holds takes that slot (`reserved` for it) and prefills only
         the rest; others take a free slot no waiting prompt continues, while there is one."""
         batch: list[_Seq] = []
@@ -555,9 +589,9 @@ class NativeRollout:
         self.histories.forget()
         self._writes = self.model.writes
 
-    def _prefill(self, batch: list[_Seq]) -> torch.Tensor:
-        """Write prompts into their slots; logits [B, V] at each prompt's last token. A prompt's
-        samples share one prefill: its K/V is copied to their slots."""
+    def _start_prefill(self, batch: list[_Seq]) -> _Prefill:
+        """Lay out the prompts of `batch` for prefill: a prompt's samples share one row, whose K/V is
+        copied to their slots once it is in."""
         first: dict[int, int] = {}  # id(prompt) -> row of its prefill
         rows: list[_Seq] = []  # one sequence per distinct prompt
         for s in batch:
@@ -568,27 +602,35 @@ class NativeRollout:
         ids = torch.zeros(len(rows), max(lens), dtype=torch.long)  # right-padded; pads never attended
         for i, s in enumerate(rows):
             ids[i, :lens[i]] = torch.tensor(s.prompt[s.cached:])
-        ids = ids.to(self.device)
         slots = torch.tensor([s.slot for s in rows], device=self.device)
         cached = torch.tensor([s.cached for s in rows], device=self.device)
         continued = any(s.cached for s in rows)
         if continued:
             self._restore(slots)
-        positions = cached[:, None] + torch.arange(ids.shape[1], device=self.device)
         self.prefilled += sum(lens)
         self.padded += ids.numel()
         self.reused += sum(s.cached for s in rows)
-        # a prompt over the budget comes alone (see _admit) and goes in chunks: bounded activations
-        chunk = self.max_prefill_tokens
-        for start in range(0, ids.shape[1], chunk):
-            hidden = self.model(ids[:, start:start + chunk], positions[:, start:start + chunk], self.cache, slots,
-                                cached + start if continued else start,
-                                max(s.cached for s in rows) + start + min(chunk, ids.shape[1] - start))  # [P, S, H]
-        owner = torch.tensor([first[id(s.prompt)] for s in batch], device=self.device)  # [B]
-        self._share(slots[owner], torch.tensor([s.slot for s in batch], device=self.device),
-                    max(len(s.prompt) for s in rows))
-        last = torch.tensor(lens, device=self.device) - 1 - start
-        return self.model.logits(hidden[torch.arange(len(rows), device=self.device), last])[owner]
+        return _Prefill(batch, torch.tensor([first[id(s.prompt)] for s in batch], device=self.device),
+                        ids.to(self.device), cached[:, None] + torch.arange(ids.shape[1], device=self.device),
+                        slots, cached, lens, continued, max(s.cached for s in rows))
+
+    def _prefill_chunk(self, p: _Prefill) -> torch.Tensor | None:
+        """Write the next `max_prefill_tokens` columns of `p` into its slots (a prompt over that budget
+        comes alone, see `_admit`, and goes in over several engine steps: bounded activations, and the
+        running sequences decode between two chunks). The last chunk shares each row with its
+        samples' slots and returns logits [B, V] at each prompt's last token; the others None."""
+        start = p.done
+        p.done = end = min(start + self.max_prefill_tokens, p.ids.shape[1])
+        hidden = self.model(p.ids[:, start:end], p.positions[:, start:end], self.cache, p.slots,
+                            p.cached + start if p.continued else start,
+                            p.reach + end)  # [P, S, H]
+        if end < p.ids.shape[1]:  # to a decode step in between, the rows look live: it writes at the
+            self._kv_lens[p.slots] = p.cached + end  # column the next chunk starts at, not column 0
+            return None
+        width = max(len(s.prompt) for s in p.batch)
+        self._share(p.slots[p.owner], torch.tensor([s.slot for s in p.batch], device=self.device), width)
+        last = torch.tensor(p.lens, device=self.device) - 1 - start
+        return self.model.logits(hidden[torch.arange(len(p.lens), device=self.device), last])[p.owner]
 
     def _share(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
         """Copy the first `width` cached positions of slots `src` into slots `dst` (all layers)."""

@@ -125,10 +125,21 @@ def test_gumbel_sampling_follows_the_tempered_distribution():
 
 
 def test_chunked_prefill_of_long_prompts_matches_whole(model_dir, tok):
+    """Prompts over the prefill budget go in chunk by chunk, and the sequences already running
+    decode between two chunks (the shortest prompt is admitted first); the answers are those of
+    whole prefills."""
     prompts = [tok.encode("123+456=579, 22+33=55, 7+8=15, 40+2="), tok.encode("1+1="), tok.encode("9+90=99, 3+")]
     params = SamplingParams(temperature=0, max_new_tokens=10)
     whole = NativeRollout(model_dir, tok, max_slots=4, max_len=64).generate(prompts, params)
-    chunked = NativeRollout(model_dir, tok, max_slots=4, max_len=64, max_prefill_tokens=8).generate(prompts, params)
+    engine = NativeRollout(model_dir, tok, max_slots=4, max_len=64, max_prefill_tokens=8)
+    chunked = engine.generate(prompts, params)
+    assert engine.between >= 4, engine.between  # 1 + 4 between the chunks of the 11 and the 36-token prompts
+    # two slots: the long prompt takes slot 0 when the shortest answer ends, below one still
+    # decoding, so the decode steps between its chunks run over its row too
+    two = [prompts[0], prompts[1], tok.encode("5+")]
+    limited = SamplingParams(temperature=0, max_new_tokens=10, limits=[6, 10, 2])
+    whole += NativeRollout(model_dir, tok, max_slots=2, max_len=64).generate(two, limited)
+    chunked += NativeRollout(model_dir, tok, max_slots=2, max_len=64, max_prefill_tokens=8).generate(two, limited)
     for a, b in zip(whole, chunked):
         assert a[0].token_ids == b[0].token_ids
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
