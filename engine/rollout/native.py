@@ -239,7 +239,7 @@ class NativeRollout:
             self._lap("")
             while True:
                 if more:
-                    more = self._take(feed(finished, not waiting and not running), params, waiting, reserved)
+                    more = self._take(feed(finished, not (waiting or running or filling)), params, waiting, reserved)
                     finished = []
                 if self.swap is not None:  # new weights land between steps; a step launched ahead keeps
                     self.version = self.swap()  # the old ones (the copy queues behind it on the stream)
