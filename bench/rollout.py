@@ -47,7 +47,7 @@ from transformers import Qwen2Config
 
 from engine.rollout import fp8
 from engine.rollout import native as native_module
-from engine.rollout.base import HFRollout, SamplingParams
+from engine.rollout.base import HFRollout, Request, SamplingParams
 from engine.rollout.model import NativeCausalLM
 from engine.rollout.native import NativeRollout
 from engine.tensors import left_pad
@@ -63,6 +63,31 @@ def timed(engine, prompts, params) -> tuple[float, int]:
     out = engine.generate(prompts, params)
     sync()
     return time.perf_counter() - start, sum(len(c.token_ids) for g in out for c in g)
+
+
+def long_prompt_stall(engine: NativeRollout, prompts, params, long: list[int], after: int) -> tuple[float, float]:
+    """Serve `prompts` and, `after` engine steps in, one `long` prompt: (seconds in all, the longest
+    engine step from its arrival on). A step is the time between two calls of the feed, which the
+    engine makes between steps; each step waits for the one before it, so this is the longest any
+    running sequence went without a token."""
+    steps: list[float] = []
+    todo = [Request(p, [(i, j) for j in range(params.n)]) for i, p in enumerate(prompts)]
+    answered = False
+
+    def feed(finished, wait):
+        nonlocal answered
+        steps.append(time.perf_counter())
+        answered = answered or any(key == "long" for key, _ in finished)
+        if len(steps) == 1:
+            return todo
+        return [Request(long, ["long"])] if len(steps) == after + 1 else None if answered else []
+
+    sync()
+    start = time.perf_counter()
+    engine.serve(replace(params, n=1), feed)
+    sync()
+    gaps = [b - a for a, b in zip(steps[after:], steps[after + 1:])]
+    return time.perf_counter() - start, max(gaps)
 
 
 def kv_per_token(cfg: Qwen2Config) -> int:
@@ -180,6 +205,10 @@ def main() -> None:
     ap.add_argument("--hf-cache", default="dynamic,static", help="comma list: dynamic, static, or none")
     ap.add_argument("--profile", action="store_true", help="time and kernel table of a decode graph replay, and a "
                     "step's time by row count")
+    ap.add_argument("--long", type=int, default=0, help="then serve the prompts once more with a prompt of this many "
+                    "tokens arriving 16 steps in: the longest step after it, its chunks going in between decode "
+                    "steps (--budget tokens a chunk) against all in one step")
+    ap.add_argument("--budget", type=int, default=8192, help="the native engines' prefill tokens a step")
     ap.add_argument("--hbm-tbps", type=float, help="HBM bandwidth for the roofline (default: measured by a copy)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -206,7 +235,8 @@ def main() -> None:
         weights = {"bf16": None, "bf16-nomove": None, "bf16-fifo": None, "bf16-nofan": None, "fp8": fp8.FP8}[kind]
         name = "native" if args.native == "bf16" else f"native {kind}"
         natives[name] = NativeRollout(NativeCausalLM.from_module(hf_model, dtype=weights), tok,
-                                      max_slots=args.slots or args.seqs, max_len=args.prompt + args.new)
+                                      max_slots=args.slots or args.seqs, max_len=max(args.prompt, args.long) + args.new,
+                                      max_prefill_tokens=args.budget)
         natives[name].MOVE = kind != "bf16-nomove"  # sequences stay in their slots until they end
         natives[name].SORT = kind != "bf16-fifo"  # prompts prefilled in the order they came
         natives[name].FAN = kind != "bf16-nofan"  # each sample prefills its prompt
@@ -251,6 +281,18 @@ def main() -> None:
               f"{native.fanned - counts[1]} samples took a sibling's prompt")
         if args.profile and device == "cuda":
             profile(native, args.prompt + args.new // 2 - 30)  # 60 replays end halfway
+    for name, native in natives.items() if args.long else ():
+        long = torch.randint(100, cfg.vocab_size, (args.long,), generator=ids).tolist()
+        for budget in (args.budget, args.long) * 2:  # the second of each counts: the first meets new shapes
+            native.max_prefill_tokens = budget  # args.long: all of it in one step, as before chunks alternated
+            if budget == args.budget:
+                chunked = long_prompt_stall(native, prompts, params, long, 16)
+            else:
+                whole = long_prompt_stall(native, prompts, params, long, 16)
+        native.max_prefill_tokens = args.budget
+        print(f"  {name}: a {args.long}-token prompt 16 steps in: in chunks of {args.budget}, {chunked[0]:.2f} s and "
+              f"{1e3 * chunked[1]:.1f} ms at most between two steps; whole, {whole[0]:.2f} s and "
+              f"{1e3 * whole[1]:.1f} ms", flush=True)
     for name, native in natives.items() if args.gap else ():
         gap = logprob_gap(native, hf_model, prompts[:args.gap], args.new, tok.pad_token_id)
         print(f"  {name} vs bf16 training forward, {args.gap} x {args.new} sampled tokens: mean |dlogprob| "
