@@ -429,14 +429,20 @@ class NativeRollout:
         for s in joined:
             del reserved[s.slot]
             free.remove(s.slot)
+        self._restore(self._to_feed(joined))
+        return joined
+
+    def _to_feed(self, joined: list[_Seq]) -> torch.Tensor:
+        """Ready `joined`, each in its slot with its first `cached` prompt tokens there, to take the
+        rest in through the decode steps it joins (`_feed`); returns their slots, on the device."""
+        for s in joined:
             self.histories.forget(s.slot)
             s.feeding = s.prompt[s.cached:]
         self.prefilled += sum(len(s.feeding) for s in joined)
         self.reused += sum(s.cached for s in joined)
         slots = to_device(torch.tensor([s.slot for s in joined]), self.device)
-        self._restore(slots)
         self._kv_lens[slots] = to_device(torch.tensor([s.cached for s in joined]), self.device)
-        return joined
+        return slots
 
     def _fan_out(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq], running: list[_Seq],
                  spare: bool) -> list[_Seq]:
@@ -463,14 +469,10 @@ class NativeRollout:
         for s in joined:
             s.slot = self._free_slot(free, reserved, spare)
             free.remove(s.slot)
-            self.histories.forget(s.slot)
-            s.cached, s.feeding = len(s.prompt) - 1, s.prompt[-1:]
-        self.prefilled += len(joined)
-        self.reused += sum(s.cached for s in joined)
+            s.cached = len(s.prompt) - 1
         self.fanned += len(joined)
-        src, dst = to_device(torch.tensor([[holders[id(s.prompt)].slot, s.slot] for s in joined]).T, self.device)
-        self._share(src, dst, max(s.cached for s in joined))
-        self._kv_lens[dst] = to_device(torch.tensor([s.cached for s in joined]), self.device)
+        src = to_device(torch.tensor([holders[id(s.prompt)].slot for s in joined]), self.device)
+        self._share(src, self._to_feed(joined), max(s.cached for s in joined))
         return joined
 
     FAN = True  # whether waiting samples copy a running sibling's prompt (`_fan_out`); off only to measure it
