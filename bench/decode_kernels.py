@@ -9,7 +9,9 @@ length in [L/3, L):
 - `flash`: PyTorch's flash kernel with per-row lengths (`aten._flash_attention_forward(seqused_k=)`,
   on a sequence-major copy of the cache);
 - `flex`: flex attention's decoding, with a block mask of each row's live blocks;
-- `triton`: ours (engine/rollout/kernels.py; it also writes the step's K/V).
+- `triton`: ours (engine/rollout/kernels.py; it also writes the step's K/V), and the same kernel
+  with one program a (row, KV head) however few rows there are (`a program a row`): a long tail's
+  few long rows are where its split over programs shows (`--rows 4 --cache 16384`).
 Each is checked against `written-out`, captured in a CUDA graph and replayed; the floor is the
 live K/V read once at --hbm-tbps. Sampling from [rows, vocab] bf16 logits at temperature 1:
 engine/rollout/sampling.sample's eager path (Gumbel noise, compiled pick) and its Triton path, called
@@ -81,6 +83,7 @@ def attention_rows(cfg: dict, rows: int, cache: int, device: str, dtype: torch.d
         candidates["flex"] = flex_decode(q, k, v, lens)
     if kernels.available(q):
         candidates["triton"] = lambda: kernels.decode_attention(q, k_new, v_new, k, v, lens)
+        candidates["triton, a program a row"] = lambda: kernels.decode_attention(q, k_new, v_new, k, v, lens, 1)
     want = candidates["written-out"]().reshape(rows, H, D).float()
     floor = 2 * rows * (lens.float().mean().item() + 1) * KV * D * k.itemsize / (tbps * 1e12) * 1e6
     out = {"floor (live K/V once)": f"{floor:.1f} us"}

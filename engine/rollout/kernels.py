@@ -53,37 +53,71 @@ def available(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _attend(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, out_ptr, scale, sq_b, sq_h, skn_b, skn_h,
-                svn_b, svn_h, sk_b, sk_h, sk_n, so_b, so_h,
-                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
-        b, h = tl.program_id(0), tl.program_id(1)
+    def _attend(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, out_ptr, part_m, part_t, part_acc, count_ptr, scale,
+                sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_n, so_b, so_h,
+                G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                SPLITS: tl.constexpr, SPAN: tl.constexpr):
+        b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cached = tl.load(lens_ptr + b)
-        g, d = tl.arange(0, GP), tl.arange(0, D)
-        heads = (h * G + g)[:, None]
-        q = tl.load(q_ptr + b * sq_b + heads * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0)
-        k_row, v_row = k_ptr + b * sk_b + h * sk_h, v_ptr + b * sk_b + h * sk_h
-        # this step's K/V: into the cache for later steps, and straight into the softmax's start
-        k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d)
-        v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d)
-        tl.store(k_row + cached * sk_n + d, k_new)
-        tl.store(v_row + cached * sk_n + d, v_new)
-        m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale  # [GP]
-        total = tl.full([GP], 1.0, tl.float32)
-        acc = tl.zeros([GP, D], tl.float32) + v_new.to(tl.float32)[None, :]
-        for start in range(0, cached, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            live = cols < cached
-            k = tl.load(k_row + cols[:, None] * sk_n + d[None, :], mask=live[:, None], other=0.0)
-            s = tl.where(live[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))  # [GP, BLOCK_N]
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m - m_new)
-            v = tl.load(v_row + cols[:, None] * sk_n + d[None, :], mask=live[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            total = total * alpha + tl.sum(p, 1)
-            m = m_new
-        out = (acc / total[:, None]).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + b * so_b + heads * so_h + d[None, :], out, mask=(g < G)[:, None])
+        # the row's columns in pieces of at least SPAN, one a program while they last: a short row
+        # runs in program 0 alone, a long one over up to SPLITS programs, the last to finish combining
+        per = tl.maximum(SPAN, tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N)
+        used = tl.maximum(1, tl.cdiv(cached, per))
+        if s < used:
+            g, d = tl.arange(0, GP), tl.arange(0, D)
+            heads = (h * G + g)[:, None]
+            q = tl.load(q_ptr + b * sq_b + heads * sq_h + d[None, :], mask=(g < G)[:, None], other=0.0)
+            k_row, v_row = k_ptr + b * sk_b + h * sk_h, v_ptr + b * sk_b + h * sk_h
+            # this step's K/V: into the cache for later steps (no program reads that column), and
+            # straight into program 0's softmax start
+            k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d)
+            v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d)
+            first = s == 0
+            if first:
+                tl.store(k_row + cached * sk_n + d, k_new)
+                tl.store(v_row + cached * sk_n + d, v_new)
+            m = tl.where(first, tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale, float("-inf"))
+            total = tl.where(first, tl.full([GP], 1.0, tl.float32), 0.0)
+            acc = tl.where(first, tl.zeros([GP, D], tl.float32) + v_new.to(tl.float32)[None, :], 0.0)
+            lo = s * per
+            hi = tl.minimum(cached, lo + per)
+            for start in range(lo, hi, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                live = cols < hi
+                k = tl.load(k_row + cols[:, None] * sk_n + d[None, :], mask=live[:, None], other=0.0)
+                x = tl.where(live[None, :], tl.dot(q, tl.trans(k)) * scale, float("-inf"))  # [GP, BLOCK_N]
+                m_new = tl.maximum(m, tl.max(x, 1))
+                p = tl.exp(x - m_new[:, None])
+                alpha = tl.exp(m - m_new)
+                v = tl.load(v_row + cols[:, None] * sk_n + d[None, :], mask=live[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                total = total * alpha + tl.sum(p, 1)
+                m = m_new
+            out_at = out_ptr + b * so_b + heads * so_h + d[None, :]
+            if used == 1:
+                tl.store(out_at, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+            else:  # leave this piece's (max, mass, weighted sum); the last piece in combines them all
+                at = (b * tl.num_programs(1) + h) * SPLITS
+                tl.store(part_m + (at + s) * GP + g, m)
+                tl.store(part_t + (at + s) * GP + g, total)
+                tl.store(part_acc + ((at + s) * GP + g[:, None]) * D + d[None, :], acc)
+                done = tl.atomic_add(count_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel")
+                if done == used - 1:
+                    pieces = tl.arange(0, SPLITS)
+                    took = (pieces < used)[:, None]
+                    ms = tl.load(part_m + (at + pieces[:, None]) * GP + g[None, :], mask=took, other=float("-inf"),
+                                 cache_modifier=".cg")  # [SPLITS, GP]
+                    ts = tl.load(part_t + (at + pieces[:, None]) * GP + g[None, :], mask=took, other=0.0,
+                                 cache_modifier=".cg")
+                    accs = tl.load(part_acc + ((at + pieces[:, None, None]) * GP + g[None, :, None]) * D
+                                   + d[None, None, :], mask=took[:, :, None], other=0.0,
+                                   cache_modifier=".cg")  # [SPLITS, GP, D]
+                    top = tl.max(ms, 0)  # [GP]
+                    w = tl.exp(ms - top[None, :])  # a piece not taken weighs 0
+                    acc = tl.sum(accs * w[:, :, None], 0)
+                    total = tl.sum(ts * w, 0)
+                    tl.store(out_at, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+                    tl.atomic_xchg(count_ptr + b * tl.num_programs(1) + h, 0)  # ready for the next call
 
     @triton.jit
     def _chunk_mass(logits_ptr, max_ptr, sum_ptr, V, stride, inv_t_ptr, BLOCK: tl.constexpr):
@@ -271,20 +305,42 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# programs per SM a decode attention aims for: below it, a row over SPAN columns splits over several
+_PROGRAMS_PER_SM, _SPAN = 4, 1024
+_counts: dict[torch.device, torch.Tensor] = {}  # per device: the split pieces' tallies (see decode_attention)
+
+
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+                     v: torch.Tensor, kv_lens: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """One decode step's attention, row i on cache slot i: write this step's k_new, v_new [B, KV, D]
     at column kv_lens[i] of the slot's cache k, v [slots >= B, KV, L, D] (head-major, as
     engine/rollout/model.KVCache holds one layer), then attend q [B, H, D] over the slot's first
-    kv_lens[i] + 1 columns; out [B, H, D]."""
+    kv_lens[i] + 1 columns; out [B, H, D].
+
+    With fewer (row, KV head) pairs than the GPU runs programs at once (the long tail of a step), a
+    row over SPAN columns goes over up to `splits` programs (default: enough to fill the GPU), each
+    a piece of its columns; the last piece to finish combines them (flash-decoding). Otherwise one
+    program runs the row, as a long row alone would, column block after column block."""
     B, H, D = q.shape
     KV = k.shape[1]
     assert k.stride() == v.stride() and all(t.stride(-1) == 1 for t in (q, k_new, v_new, k))
     out = torch.empty_like(q)
     G = H // KV
-    _attend[(B, KV)](q, k_new, v_new, k, v, kv_lens, out, D ** -0.5, q.stride(0), q.stride(1), k_new.stride(0),
-                     k_new.stride(1), v_new.stride(0), v_new.stride(1), k.stride(0), k.stride(1), k.stride(2),
-                     out.stride(0), out.stride(1), G=G, GP=max(16, triton.next_power_of_2(G)), D=D, BLOCK_N=64)
+    GP = max(16, triton.next_power_of_2(G))
+    programs = _PROGRAMS_PER_SM * torch.cuda.get_device_properties(q.device).multi_processor_count
+    if splits is None:
+        splits = 1 << max(0, min(4, (programs // (B * KV)).bit_length() - 1))  # a power of 2, at most 16
+    counts = _counts.get(q.device)
+    if counts is None:  # made once, never replaced: a CUDA graph keeps its address; each call leaves it zeroed
+        counts = _counts[q.device] = torch.zeros(programs, dtype=torch.int32, device=q.device)
+    pieces = B * KV * splits * GP if splits > 1 else 1
+    if splits > 1 and B * KV > len(counts):
+        raise ValueError(f"{B} rows x {KV} KV heads is too many to split over {splits} programs each")
+    part = torch.empty(pieces * (D + 2), dtype=torch.float32, device=q.device)
+    _attend[(B, KV, splits)](q, k_new, v_new, k, v, kv_lens, out, part, part[pieces:], part[2 * pieces:], counts,
+                             D ** -0.5, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+                             v_new.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1),
+                             G=G, GP=GP, D=D, BLOCK_N=64, SPLITS=splits, SPAN=_SPAN)
     return out
 
 

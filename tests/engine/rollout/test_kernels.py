@@ -11,26 +11,55 @@ from engine.rollout.model import decode_attention, decode_mask
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("splits", [1, 4, None])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (12, 2, 128), (4, 4, 64), (28, 4, 128)])
-def test_decode_attention_writes_the_step_and_matches_eager(heads, kv_heads, dim):
+def test_decode_attention_writes_the_step_and_matches_eager(heads, kv_heads, dim, splits):
     torch.manual_seed(0)
-    B, slots, L = 37, 40, 300
+    B, slots, L = 37, 40, 1400
     k = torch.randn(slots, kv_heads, L, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     q = torch.randn(B, heads, dim, device="cuda", dtype=torch.bfloat16)
     k_new, v_new = torch.randn(2, B, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     lens = torch.randint(0, L - 1, (B,), device="cuda")
-    lens[:3] = torch.tensor([0, 63, 64])  # only this step's token; block edges
+    lens[:5] = torch.tensor([0, 63, 64, 1024, 1025])  # only this step's token; block and piece edges
     want_k, want_v = k.clone(), v.clone()
     rows = torch.arange(B, device="cuda")
     want_k[rows, :, lens], want_v[rows, :, lens] = k_new, v_new
     mask = decode_mask(lens, L, torch.bfloat16)
     want = decode_attention(q.view(B, kv_heads, -1, dim), want_k[:B], want_v[:B], mask).view(B, heads, dim)
 
-    got = kernels.decode_attention(q, k_new, v_new, k, v, lens)
+    got = kernels.decode_attention(q, k_new, v_new, k, v, lens, splits)
 
     assert torch.equal(k, want_k) and torch.equal(v, want_v)  # the step's K/V written, nothing else
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_long_rows_split_over_programs_in_a_replayed_graph():
+    """A few long rows (a step's long tail) go over many programs each; replayed in a CUDA graph, the
+    pieces' tallies start from zero at every replay and every layer."""
+    torch.manual_seed(0)
+    B, KV, H, D, L, layers = 3, 2, 14, 64, 8192, 3
+    caches = [torch.randn(2, B, KV, L, D, device="cuda", dtype=torch.bfloat16) for _ in range(layers)]
+    q = torch.randn(B, H, D, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = torch.randn(2, B, KV, D, device="cuda", dtype=torch.bfloat16)
+    lens = torch.tensor([8000, 300, 4097], device="cuda")
+    outs = [torch.empty_like(q) for _ in range(layers)]
+
+    def step():
+        for (k, v), out in zip(caches, outs):
+            out.copy_(kernels.decode_attention(q, k_new, v_new, k, v, lens))
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    mask = decode_mask(lens, L, torch.bfloat16)
+    for _ in range(3):
+        graph.replay()
+        for (k, v), out in zip(caches, outs):
+            want = decode_attention(q.view(B, KV, -1, D), k, v, mask).view(B, H, D)
+            torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert not kernels._counts[q.device].any()
 
 
 def draw(logits: torch.Tensor, temperature: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
