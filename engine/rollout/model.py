@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from engine.rollout import fp8, kernels
 from engine.rollout.vmm import StableBuffer
@@ -295,7 +296,7 @@ class Attention(nn.Module):
         if ctx.kv_lens is not None:
             return self.o_proj(self._decode(q, k, v, ctx).reshape(B, S, -1))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
-        mask = None
+        mask: torch.Tensor | CausalBias | None = None
         if isinstance(ctx.start, torch.Tensor):  # rows continue after cached histories of their own lengths
             assert ctx.cache is not None and ctx.cache.k is not None and ctx.cache.v is not None, "KV cache released"
             assert ctx.slots is not None
@@ -313,9 +314,9 @@ class Attention(nn.Module):
             end = ctx.start + S
             ctx.cache.k[self.layer, ctx.slots, :, ctx.start:end] = k
             ctx.cache.v[self.layer, ctx.slots, :, ctx.start:end] = v
-            if ctx.start:  # a later chunk also attends over the cached prefix
+            if ctx.start:  # a later chunk also attends over the cached prefix: causal, its rows the last
                 k, v = ctx.cache.k[self.layer, ctx.slots, :, :end], ctx.cache.v[self.layer, ctx.slots, :, :end]
-                mask = torch.ones(S, end, dtype=torch.bool, device=q.device).tril(ctx.start)
+                mask = causal_lower_right(S, end)  # flash on CUDA; a [S, end] mask would run the math kernel
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
