@@ -537,12 +537,19 @@ class NativeRollout:
         if len(room) < len(movers):
             return
         assert self.cache.k is not None and self.cache.v is not None
-        width = min(self.max_len, max([len(s.prompt) + len(s.tokens) + 2 for s in movers]  # + a step in flight
-                                      + [len(self.histories.get(f)) for f in room]))
+        # a pair swaps the columns its longer side holds (+ 2: a step in flight), rounded up to a power
+        # of 2; pairs of one width copy together, so one long sequence does not widen every copy
+        widths = [min(self.max_len, 1 << (max(len(s.prompt) + len(s.tokens) + 2, len(self.histories.get(f))) - 1)
+                      .bit_length()) for s, f in zip(movers, room)]
+        order = sorted(range(len(movers)), key=widths.__getitem__)
+        movers, room, widths = [movers[i] for i in order], [room[i] for i in order], [widths[i] for i in order]
         src, dst = to_device(torch.tensor([[s.slot for s in movers], room]), self.device)
+        for width in sorted(set(widths)):
+            at = slice(widths.index(width), len(widths) - widths[::-1].index(width))
+            both, swapped = torch.cat([src[at], dst[at]]), torch.cat([dst[at], src[at]])
+            for kv in (self.cache.k, self.cache.v):
+                kv[:, both, :, :width] = kv[:, swapped, :, :width]  # the right side is gathered first
         both, swapped = torch.cat([src, dst]), torch.cat([dst, src])
-        for kv in (self.cache.k, self.cache.v):
-            kv[:, both, :, :width] = kv[:, swapped, :, :width]  # the right side is gathered first
         self._col0[:, :, both] = self._col0[:, :, swapped]
         for buffer in (self._ids, self._kv_lens):
             buffer[both] = buffer[swapped]
