@@ -5,6 +5,8 @@ gating as Triton kernels"; `bench/decode_kernels.py` re-runs the attention and s
 - `decode_attention`: one program per (row, KV head) writes the step's K/V into the cache and runs
   that head's G query heads together over the row's live cache columns only, with an online
   softmax. PyTorch's flash kernel with per-row lengths reads every K/V head once per query head.
+  While the (row, KV head) pairs are too few to fill the GPU (a step's long tail), a long row's
+  columns split over several programs, the last to finish combining their pieces.
 - `categorical_sample`: a draw from softmax(logits / T) by inverting its CDF at one uniform per
   row: one pass over the vocabulary in chunks gives each chunk's mass, small torch ops pick the
   chunk, a second kernel scans only that chunk. It reads the logits about once; per-token Gumbel
