@@ -132,7 +132,7 @@ def profile(native: NativeRollout, mid_len: int) -> None:
     if not native.graphs:
         return
     rows = native.max_slots
-    graph = native.graphs.get((rows, True)) or native.graphs[(rows, False)]
+    graph = native.graphs.captured.get((rows, True)) or native.graphs.captured[(rows, False)]
     native._kv_lens.fill_(mid_len)  # every row live, halfway through its response
     sync()
     start = time.perf_counter()
@@ -154,10 +154,10 @@ def rows_cost(native: NativeRollout, kv: int) -> None:
     """A decode step's time at each captured row count, every live row `kv` tokens in: a least-squares
     fit of a fixed part (what a step costs at any row count) plus a part per row; and how many
     kernels one replay at a single row runs, their busy time and the gaps between them."""
-    sampled = any(s for _, s in native.graphs or ())
+    sampled = any(s for _, s in native.graphs.captured)
     times = {}
     for rows in native.row_sizes:
-        graph = native.graphs[(rows, sampled)]
+        graph = native.graphs.captured[(rows, sampled)]
         runs = []
         for _ in range(3):
             sync()
@@ -176,7 +176,7 @@ def rows_cost(native: NativeRollout, kv: int) -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             native._kv_lens[:1] = kv
-            native.graphs[(1, sampled)].replay()
+            native.graphs.captured[(1, sampled)].replay()
         sync()
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)

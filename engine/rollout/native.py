@@ -14,15 +14,14 @@ scarce a prompt is prefilled once, not once a sample). A prompt over the prefill
 (`max_prefill_tokens`) goes in chunk by chunk, and the running sequences decode a step between two
 chunks, so a long prompt does not hold them for its whole prefill.
 
-On CUDA, decode replays a CUDA graph captured per row count (decode row i is cache slot i, so
-attention reads the cache in place), whose inputs (each slot's last token and cached count) stay
-on the device: every step's sampling writes them, so a decode step copies nothing in. In half
-precision, attention and sampling use the Triton kernels of engine/rollout/kernels.py, and plain sampling
-(temperature only) runs inside the decode graph too: a step is one uniform draw, one replay and
-one copy of its (token, logprob) pairs to the host. While no request waits for a slot, the
-next such step is launched before the host reads the last one, so the device decodes while the
-host books tokens and retires sequences (a sequence that retires rides along in the step already
-launched; that token is dropped). Prefill, and sampling with top-k/top-p or greedy, run eagerly.
+On CUDA, decode replays a CUDA graph captured per row count (engine/rollout/graphs.py), whose
+inputs (each slot's last token and cached count) stay on the device: every step's sampling writes
+them, so a decode step copies nothing in. In half precision, attention and sampling use the Triton
+kernels of engine/rollout/kernels.py, and plain sampling (temperature only) runs inside the decode
+graph too. While no request waits for a slot, the next such step is launched before the host reads
+the last one, so the device decodes while the host books tokens and retires sequences (a sequence
+that retires rides along in the step already launched; that token is dropped). Prefill, and
+sampling with top-k/top-p or greedy, run eagerly.
 On CPU all of it is eager.
 
 Invariants (those of engine/rollout/base.py, plus):
@@ -63,11 +62,11 @@ from typing import Any
 
 import torch
 
-from engine.rollout import kernels
 from engine.rollout.base import Completion, Feed, Request, SamplingParams, limits_of, stop_ids
+from engine.rollout.graphs import DecodeGraphs
 from engine.rollout.histories import Histories
 from engine.rollout.model import KVCache, NativeCausalLM, head_dim
-from engine.rollout.sampling import plain, sample
+from engine.rollout.sampling import sample
 from engine.tensors import to_device
 
 
@@ -147,25 +146,16 @@ class NativeRollout:
         # step writes them from its samples, so decode needs no host-built tensors
         self._ids = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # last token
         self._kv_lens = torch.zeros(max_slots, dtype=torch.long, device=self.device)  # tokens cached
-        # CUDA graphs for decode, per (row count, whether sampling is in the graph), captured when
-        # a call first needs them; None = eager, as on CPU
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] | None = None
         # the row counts a decode step runs (on CUDA, one graph each): the smallest that covers the
         # highest busy slot; `_compact` moves sequences down as others retire, so it shrinks with them
         self.row_sizes = sorted({b for b in (1, 2, 4, 8, 16, 32) if b < max_slots}
                                 | set(range(64, max_slots, 64)) | {max_slots})
         self.moved = 0  # sequences moved to a lower slot mid-decode (`_compact`)
         self.between = 0  # decode steps run between two chunks of a long prefill
+        # decode as CUDA graphs (engine/rollout/graphs.py); None = eager, as on CPU
+        self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
-            self.graphs = {}
-            self._hidden = torch.zeros(max_slots, cfg.hidden_size, dtype=weight.dtype, device=self.device)
-            # sampling in the graph: each row's uniform and 1/temperature in; each row's (token,
-            # logprob) out as float32, so one copy brings a step's results to the host
-            self._uniform = torch.zeros(max_slots, device=self.device)
-            self._inv_t = torch.ones(1, device=self.device)
-            self._picked = torch.zeros(2, max_slots, device=self.device)
-            self._host = torch.zeros(2, max_slots, pin_memory=True)  # `_picked` copied out, step by step
-            self._copied = torch.cuda.Event()
+            self.graphs = DecodeGraphs(self.model, self.cache, self._ids, self._kv_lens, max_len, self.row_sizes)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
@@ -211,14 +201,14 @@ class NativeRollout:
         go first, and admissions are gathered (FRACTION, PATIENCE)."""
         self._ids.zero_()  # every slot idle
         self._kv_lens.zero_()
-        in_graph = self._samples_in_graph(params)
+        in_graph = self.graphs is not None and self.graphs.samples(params)  # decode steps sample inside
         if self.model.writes != self._writes:  # new weights: what the cache holds is another policy's
             self._forget_all()
-        if self.graphs is not None and (self.max_slots, in_graph) not in self.graphs:
+        if self.graphs is not None:
             with torch.inference_mode():  # before any prefill: warm-up decodes scribble on the slots'
-                self._capture(in_graph)  # column 0 only, which a kept history gets back from `_col0`
-        if in_graph:
-            self._inv_t.fill_(1.0 / params.temperature)
+                self.graphs.capture(in_graph)  # column 0 only, which a kept history gets back from `_col0`
+            if in_graph:
+                self.graphs.inv_t.fill_(1.0 / params.temperature)
         stops = set(stop_ids(self.tokenizer, params))
         generator = torch.Generator(self.device).manual_seed(params.seed)
         waiting: deque[_Seq] = deque()
@@ -359,10 +349,6 @@ class NativeRollout:
         return True
 
     SORT = True  # whether fresh requests queue by prompt length (and sample, `_take`); off only to measure it
-
-    def _samples_in_graph(self, params: SamplingParams) -> bool:
-        """Whether decode steps sample inside their CUDA graph: plain sampling with the Triton sampler."""
-        return self.graphs is not None and plain(params) and kernels.available(self._hidden)
 
     def _slots(self, seqs: list[_Seq]) -> torch.Tensor:
         return to_device(torch.tensor([s.slot for s in seqs]), self.device)
@@ -554,7 +540,7 @@ class NativeRollout:
         for buffer in (self._ids, self._kv_lens):
             buffer[both] = buffer[swapped]
         if self.graphs is not None:
-            self._picked[:, both] = self._picked[:, swapped]
+            self.graphs.picked[:, both] = self.graphs.picked[:, swapped]
         for s, slot in zip(movers, room):  # a mover's own slot holds no history: it is running
             if slot in self.histories:
                 history = self.histories.get(slot)
@@ -663,9 +649,7 @@ class NativeRollout:
             kv_lens = self._kv_lens[:busy]
             hidden = self.model.decode(self._ids[:busy], kv_lens, self.cache, int(kv_lens.max()) + 1)
         else:
-            rows = self._graph_rows(batch)
-            self.graphs[(rows, False)].replay()
-            hidden = self._hidden[:rows]
+            hidden = self.graphs.decode(self._graph_rows(batch))
         return self.model.logits(hidden[slots])
 
     def _sampled_step(self, running: list[_Seq], ahead: list[_Seq] | None, generator: torch.Generator,
@@ -675,55 +659,22 @@ class NativeRollout:
         now. With `then_decode` the next step is launched over `running` before this one's results
         are read, so the device computes while the host books them; sequences that retire now
         ride along in it and their tokens are void."""
+        assert self.graphs is not None
         if ahead is None:
             self._launch_sampled(running, generator)
         stepped = ahead or running
-        self._host.copy_(self._picked, non_blocking=True)  # before the next replay overwrites `_picked`
-        self._copied.record()
+        self.graphs.copy_out()  # before the next replay overwrites the picks
         if then_decode:
             self._launch_sampled(running, generator)
-        self._copied.synchronize()
-        tokens, logprobs = self._host.tolist()
+        tokens, logprobs = self.graphs.picks()
         return (stepped, running if then_decode else None, [int(tokens[s.slot]) for s in stepped],
                 [logprobs[s.slot] for s in stepped])
 
     def _launch_sampled(self, batch: list[_Seq], generator: torch.Generator) -> None:
-        """Queue a decode step that also samples, as one graph replay (see `_graph_body`) after the
-        rows' uniforms are drawn; its (token, logprob) pairs land in `_picked`, by slot."""
+        """Queue a decode step over `batch` that also samples (one graph replay)."""
+        assert self.graphs is not None
         self._feed(batch)
-        rows = self._graph_rows(batch)
-        self._uniform[:rows].uniform_(generator=generator)
-        assert self.graphs is not None
-        self.graphs[(rows, True)].replay()
-
-    def _graph_body(self, rows: int, sampled: bool) -> None:
-        """What a decode graph over rows 0..rows-1 runs: the model's decode into `_hidden`; or, with
-        `sampled`, on through the lm_head and the sampler to `_picked`, then the next step's
-        inputs (each row's token, and its cached count up by one unless the row is idle at 0)."""
-        hidden = self.model.decode(self._ids[:rows], self._kv_lens[:rows], self.cache, self.max_len)
-        if not sampled:
-            self._hidden[:rows] = hidden
-            return
-        tokens, logprobs = kernels.categorical_sample(self.model.logits(hidden), self._inv_t, self._uniform[:rows])
-        self._picked[0, :rows], self._picked[1, :rows] = tokens, logprobs
-        self._ids[:rows] = tokens
-        self._kv_lens[:rows] += self._kv_lens[:rows] > 0
-
-    def _capture(self, sampled: bool) -> None:
-        """One graph per row count, largest first, sharing one memory pool. Inputs are static
-        buffers; the written-out attention attends over the full `max_len` columns, masked per
-        row (the Triton kernel over each row's live ones). Runs with every slot idle (kv_len 0)
-        and before any prefill: the warm-up decodes write K/V into column 0 of the slots."""
-        assert self.graphs is not None
-        pool = None
-        for rows in reversed(self.row_sizes):
-            self._graph_body(rows, sampled)  # warm-up outside capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._graph_body(rows, sampled)
-            pool = graph.pool()
-            self.graphs[(rows, sampled)] = graph
-        torch.cuda.synchronize()
+        self.graphs.launch_sampled(self._graph_rows(batch), generator)
 
     def _finish(self, seq: _Seq, stops: set[int], params: SamplingParams) -> str:
         if seq.tokens[-1] in stops:

@@ -165,7 +165,8 @@ def _tp_worker(rank: int, store: str, model_dir: str, out: str, device: str) -> 
     prompts = [tok.encode(t) for t in TEXTS[:5]]
     greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
     sampled = engine.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, seed=1))
-    torch.save({"greedy": greedy, "sampled": sampled, "graphs": bool(engine.graphs)}, f"{out}.{rank}")
+    graphs = bool(engine.graphs and engine.graphs.captured)
+    torch.save({"greedy": greedy, "sampled": sampled, "graphs": graphs}, f"{out}.{rank}")
     del engine  # the captured graphs hold the communicator's work: drop them before tearing it down
     if device == "cuda":
         torch.cuda.synchronize()

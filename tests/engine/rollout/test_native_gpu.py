@@ -40,7 +40,7 @@ def test_greedy_graphs_eager_and_hf(model_dir, dtype):
     prompts = [tok.encode(t) for t in TEXTS]  # 40 prompts through 16 slots: refills mid-decode
     params = SamplingParams(temperature=0, max_new_tokens=24)
     got = [g[0].token_ids for g in graphs.generate(prompts, params)]
-    assert graphs.graphs, "decode did not go through CUDA graphs"
+    assert graphs.graphs and graphs.graphs.captured, "decode did not go through CUDA graphs"
     assert got == [g[0].token_ids for g in eager.generate(prompts, params)]
     ref = HFRollout(hf, tok)
     want = [ref.generate([p], params)[0][0].token_ids for p in prompts]  # one at a time: no padding
@@ -64,7 +64,7 @@ def test_sampled_logprobs_match_training_forward(model_dir, dtype, tol):
     params = SamplingParams(temperature=0.8, n=4, max_new_tokens=16, seed=3, limits=[7 + i for i in range(10)])
     flat = [c for g in graphs.generate(prompts, params) for c in g]
     if dtype == torch.bfloat16:  # plain sampling in half precision runs inside the decode graphs
-        assert any(sampled for _, sampled in graphs.graphs)
+        assert any(sampled for _, sampled in graphs.graphs.captured)
     assert graphs.moved > 0
     assert graphs.fanned > 0  # 40 sequences in 16 slots: samples that wait copy a running sibling's prompt
     assert [c.token_ids for c in flat] == [c.token_ids for g in graphs.generate(prompts, params) for c in g]
@@ -116,7 +116,7 @@ def test_weights_landing_between_graph_steps_are_booked_per_token(model_dir):
     graphs.swap = swap
     prompts = [tok.encode(t) for t in TEXTS[:4]]
     out = [g[0] for g in graphs.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seed=5))]
-    assert any(sampled for _, sampled in graphs.graphs)
+    assert any(sampled for _, sampled in graphs.graphs.captured)
     spanning = [c for c in out if 0 in c.versions and 1 in c.versions]
     assert spanning and all(c.versions[:4] == [0] * 4 and set(c.versions[4:]) == {1} for c in spanning), \
         [c.versions for c in out]
@@ -144,7 +144,7 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
     prompts = [tok.encode(t) for t in TEXTS[:5]]
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = graphs.generate(prompts, params)
-    captured = dict(graphs.graphs)
+    captured = dict(graphs.graphs.captured)
     at = (graphs.cache.k.data_ptr(), graphs.cache.v.data_ptr())
     for _ in range(2):
         free = torch.cuda.mem_get_info()[0]
@@ -158,7 +158,7 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
         assert (graphs.cache.k.data_ptr(), graphs.cache.v.data_ptr()) == at
         assert not graphs.cache.k.any() and not graphs.cache.v.any()  # zeroed, as a fresh cache
         assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
-        assert all(graphs.graphs[key] is graph for key, graph in captured.items())  # replayed, not recaptured
+        assert all(graphs.graphs.captured[key] is graph for key, graph in captured.items())  # replayed, not recaptured
         del hold
     # the weights too: their memory goes back, and generate refuses until they are written again
     free = torch.cuda.mem_get_info()[0]
@@ -169,7 +169,7 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
         graphs.generate(prompts, params)
     graphs.load_weights((n, t) for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items())
     assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
-    assert all(graphs.graphs[key] is graph for key, graph in captured.items())
+    assert all(graphs.graphs.captured[key] is graph for key, graph in captured.items())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
