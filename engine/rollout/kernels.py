@@ -307,7 +307,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# programs per SM a decode attention aims for: below it, a row over SPAN columns splits over several
+# programs per SM a decode attention aims for: below it, a row over _SPAN columns splits over several
 _PROGRAMS_PER_SM, _SPAN = 4, 1024
 _counts: dict[torch.device, torch.Tensor] = {}  # per device: the split pieces' tallies (see decode_attention)
 
@@ -320,9 +320,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     kv_lens[i] + 1 columns; out [B, H, D].
 
     With fewer (row, KV head) pairs than the GPU runs programs at once (the long tail of a step), a
-    row over SPAN columns goes over up to `splits` programs (default: enough to fill the GPU), each
-    a piece of its columns; the last piece to finish combines them (flash-decoding). Otherwise one
-    program runs the row, as a long row alone would, column block after column block."""
+    row over `_SPAN` columns goes over up to `splits` programs (default: enough to fill the GPU),
+    each a piece of its columns; the last piece to finish combines them (flash-decoding). Otherwise
+    one program runs the row, column block after column block. The pieces count themselves in a
+    tally per device, so two calls on one device must not run at once (on two streams)."""
     B, H, D = q.shape
     KV = k.shape[1]
     assert k.stride() == v.stride() and all(t.stride(-1) == 1 for t in (q, k_new, v_new, k))
