@@ -53,6 +53,7 @@ Run: the tests in tests/engine/rollout/test_native.py (CPU, fp32, the tiny embed
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -70,7 +71,7 @@ from engine.rollout.sampling import sample
 from engine.tensors import to_device
 
 
-@dataclass
+@dataclass(slots=True)
 class _Seq:
     prompt: list[int]
     key: Any  # handed back with its completion
@@ -294,10 +295,11 @@ class NativeRollout:
         """Append a step's token, logprob and weights version to each sequence it stepped (not to one
         retired before the step was read, nor for a fed prompt token); returns the sequences that
         finished, whose completions go to `finished`."""
-        if any(lp != lp for lp in logprobs):  # NaN: sampling from it would be noise
+        if math.isnan(sum(logprobs)):  # NaN: sampling from it would be noise (a logprob is never +inf)
             raise FloatingPointError("the policy's logits are NaN: its weights hold non-finite values")
         retired: list[_Seq] = []
-        for seq, tok, lp in zip(stepped, tokens, logprobs):
+        versions = self.swap is not None  # a sequence's versions are handed back only then
+        for seq, tok, lp in zip(stepped, tokens, logprobs):  # per sequence and step: kept lean
             if seq.finish:  # retired after a step launched ahead of it: that step's token is void
                 continue
             if seq.void:  # the step fed a prompt token: its sample is the next prompt token's place
@@ -305,8 +307,10 @@ class NativeRollout:
                 continue
             seq.tokens.append(tok)
             seq.logprobs.append(lp)
-            seq.versions.append(version)
-            seq.finish = self._finish(seq, stops, params)
+            if versions:
+                seq.versions.append(version)
+            if tok in stops or len(seq.tokens) >= seq.limit or params.stop_strings:
+                seq.finish = self._finish(seq, stops, params)
             if seq.finish:
                 retired.append(seq)
                 finished.append((seq.key, Completion(seq.tokens, seq.logprobs, seq.finish,
