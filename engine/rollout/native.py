@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -309,12 +309,15 @@ class NativeRollout:
             seq.logprobs.append(lp)
             if versions:
                 seq.versions.append(version)
-            if tok in stops or len(seq.tokens) >= seq.limit or params.stop_strings:
-                seq.finish = self._finish(seq, stops, params)
-            if seq.finish:
-                retired.append(seq)
-                finished.append((seq.key, Completion(seq.tokens, seq.logprobs, seq.finish,
-                                                     seq.versions if self.swap else [])))
+            if tok in stops or params.stop_strings and self.tokenizer.decode(seq.tokens).endswith(
+                    tuple(params.stop_strings)):
+                seq.finish = "stop"
+            elif len(seq.tokens) >= seq.limit:
+                seq.finish = "length"
+            else:
+                continue
+            retired.append(seq)
+            finished.append((seq.key, Completion(seq.tokens, seq.logprobs, seq.finish, seq.versions)))
         return retired
 
     def _retire(self, retired: list[_Seq], running: list[_Seq], waiting: bool, free: list[int],
@@ -532,13 +535,15 @@ class NativeRollout:
         widths = [min(self.max_len, 1 << (max(len(s.prompt) + len(s.tokens) + 2, len(self.histories.get(f))) - 1)
                       .bit_length()) for s, f in zip(movers, room)]
         order = sorted(range(len(movers)), key=widths.__getitem__)
-        movers, room, widths = [movers[i] for i in order], [room[i] for i in order], [widths[i] for i in order]
+        movers, room = [movers[i] for i in order], [room[i] for i in order]
         src, dst = to_device(torch.tensor([[s.slot for s in movers], room]), self.device)
-        for width in sorted(set(widths)):
-            at = slice(widths.index(width), len(widths) - widths[::-1].index(width))
+        start = 0
+        for width, n in sorted(Counter(widths).items()):
+            at = slice(start, start + n)
             both, swapped = torch.cat([src[at], dst[at]]), torch.cat([dst[at], src[at]])
             for kv in (self.cache.k, self.cache.v):
                 kv[:, both, :, :width] = kv[:, swapped, :, :width]  # the right side is gathered first
+            start += n
         both, swapped = torch.cat([src, dst]), torch.cat([dst, src])
         self._col0[:, :, both] = self._col0[:, :, swapped]
         for buffer in (self._ids, self._kv_lens):
@@ -679,15 +684,6 @@ class NativeRollout:
         assert self.graphs is not None
         self._feed(batch)
         self.graphs.launch_sampled(self._graph_rows(batch), generator)
-
-    def _finish(self, seq: _Seq, stops: set[int], params: SamplingParams) -> str:
-        if seq.tokens[-1] in stops:
-            return "stop"
-        if params.stop_strings:
-            text = self.tokenizer.decode(seq.tokens)
-            if any(text.endswith(s) for s in params.stop_strings):
-                return "stop"
-        return "length" if len(seq.tokens) >= seq.limit else ""
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.model.load_weights(named_tensors)
