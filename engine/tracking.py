@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 MAX_PENDING_METRICS = 100_000  # buffer cap during an outage; the oldest values go first
 RETRY_AFTER_S = 60.0  # after a failed send, metrics only buffer for this long
 SYSTEM_METRICS_INTERVAL_S = 10.0
+SCHEMA_ROWS = 1000  # a logged dataset's schema is read off its first rows (log_datasets)
 # MLflow wraps REST failures in MlflowException; requests' own errors (artifact uploads) are OSErrors.
 TRACKING_ERRORS = (MlflowException, OSError)
 _ILLEGAL = re.compile(r"[^\w\-. :/]")  # MLflow allows alphanumerics, _ - . space : /
@@ -272,7 +273,11 @@ class Tracker:
         self._log_batches("tags", [RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_datasets(self, files: Mapping[str, list[str]]) -> None:
-        """Each data file as a run input, tagged with its context ({"train": [paths], "val": [...]})."""
+        """Each data file as a run input, tagged with its context ({"train": [paths], "val": [...]}).
+
+        The schema is read off the first `SCHEMA_ROWS` rows, as MLflow's digest is off the first
+        10,000 (and the row count): inferred over every row, it held up the start of a run by a time
+        that grows with the file. The profile counts every row."""
         import pandas as pd
         from mlflow.data.pandas_dataset import from_pandas
 
@@ -283,8 +288,11 @@ class Tracker:
             for path in paths:
                 with warnings.catch_warnings():  # MLflow registers its local-file source twice and says so
                     warnings.filterwarnings("ignore", "The specified dataset source can be interpreted")
-                    dataset = from_pandas(pd.DataFrame(read_rows(path)), source=os.path.abspath(path),
-                                          name=os.path.basename(path))
+                    frame = pd.DataFrame(read_rows(path))
+                    where = {"source": os.path.abspath(path), "name": os.path.basename(path)}
+                    dataset = from_pandas(frame, **where)
+                    # `schema` is a functools.cached_property: filled in here, it is not inferred again
+                    dataset.__dict__["schema"] = from_pandas(frame.head(SCHEMA_ROWS), **where).schema
                 tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)]
                 inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags))
         self._guard(self.client.log_inputs, self._run_id, datasets=inputs)

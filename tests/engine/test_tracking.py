@@ -330,6 +330,8 @@ def test_datasets_are_run_inputs_with_digest_source_and_context(uri: str, data_f
     train = got["train.parquet", "train"]
     assert train.source_type == "local" and data_files["train"] in train.source
     assert '"num_rows": 512' in train.profile and len(train.digest) == 8
+    columns = {c["name"] for c in json.loads(train.schema)["mlflow_colspec"]}
+    assert {"prompt", "data_source", "reward_model"} <= columns, columns
     assert got["val.parquet", "val"].digest != train.digest
 
 
