@@ -16,6 +16,9 @@ Invariants:
   write K/V into column 0 of the slots only;
 - a step's picks are copied out (`copy_out`) before the next replay overwrites them.
 
+`PrefillGraphs` does the same for a prefill step of fresh prompts, one graph per (rows, columns),
+so that a small model's prefill costs its device time, not its kernels' launches on the host.
+
 Run: python -m pytest -m gpu tests/engine/rollout/test_native_gpu.py
 """
 
@@ -94,3 +97,57 @@ class DecodeGraphs:
         self.picked[0, :rows], self.picked[1, :rows] = tokens, logprobs
         self.ids[:rows] = tokens
         self.kv_lens[:rows] += self.kv_lens[:rows] > 0
+
+
+class PrefillGraphs:
+    """The prefill of P fresh prompts, right-padded to S columns, as a CUDA graph per (P, S), captured
+    when first needed, all in one memory pool. A small model's prefill forward is bound by the host:
+    some 330 kernel launches, each costing the host more than the device its work. Columns are
+    padded to four widths an octave (`width`), so that few graphs serve prompts of any length.
+
+    Invariants:
+    - a graph writes its rows' K/V into the slots its `slots` input names, at columns 0..S-1, and
+      leaves each row's hidden state at column `last` in its output [P, H], valid until its next replay;
+    - prefill steps of at most `tokens` tokens run as graphs (the pool holds about one such forward's
+      activations), at most `MOST` graphs; larger steps, later chunks and continued rows run eagerly."""
+
+    MOST = 256  # graphs kept: each (rows, width) pair met is one, and serving meets many
+
+    def __init__(self, model: NativeCausalLM, cache: KVCache, tokens: int) -> None:
+        self.model, self.cache, self.tokens = model, cache, tokens
+        self.captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def width(n: int) -> int:
+        """n columns rounded up to a multiple of a quarter of the octave below n (16 at least)."""
+        step = max(16, 1 << max(0, n.bit_length() - 3))
+        return -(-n // step) * step
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            last: torch.Tensor) -> torch.Tensor | None:
+        """The prefill of `ids` and `positions` [P, S] into `slots` [P] as a graph replay: each row's
+        hidden state at its column `last` [P], [P, H]; None where the step is too large for a graph."""
+        P, S = ids.shape
+        if P * S > self.tokens or ((P, S) not in self.captured and len(self.captured) == self.MOST):
+            return None
+        if (P, S) not in self.captured:
+            self._capture(ids, positions, slots, last)
+        graph, inputs, out = self.captured[P, S]
+        for static, given in zip(inputs, (ids, positions, slots, last)):
+            static.copy_(given)
+        graph.replay()
+        return out
+
+    def _capture(self, *given: torch.Tensor) -> None:
+        inputs = [x.clone() for x in given]
+        self._body(*inputs)  # warm-up outside capture: it writes what the replay will
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._body(*inputs)
+        self.captured[given[0].shape[0], given[0].shape[1]] = graph, inputs, out
+
+    def _body(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              last: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(ids, positions, self.cache, slots)  # [P, S, H]
+        return hidden[torch.arange(len(ids), device=ids.device), last]

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from engine.rollout.base import Completion, Feed, Request, SamplingParams, limits_of, stop_ids
-from engine.rollout.graphs import DecodeGraphs
+from engine.rollout.graphs import DecodeGraphs, PrefillGraphs
 from engine.rollout.histories import Histories
 from engine.rollout.model import KVCache, NativeCausalLM, head_dim
 from engine.rollout.sampling import sample
@@ -155,8 +155,13 @@ class NativeRollout:
         self.between = 0  # decode steps run between two chunks of a long prefill
         # decode as CUDA graphs (engine/rollout/graphs.py); None = eager, as on CPU
         self.graphs: DecodeGraphs | None = None
+        self.prefills: PrefillGraphs | None = None  # prefill steps as graphs too, for small models
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.cache, self._ids, self._kv_lens, max_len, self.row_sizes)
+            if self.model.tp.size == 1:
+                flops = 2 * sum(p.numel() for p in self.model.parameters())  # a token's, about
+                self.prefills = PrefillGraphs(self.model, self.cache,
+                                              min(max_prefill_tokens, int(self.PREFILL_GRAPH_FLOPS // flops)))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
@@ -408,6 +413,11 @@ class NativeRollout:
     # beside the others' decoding (the decode graph's cost per row is small), instead of a prefill
     # step that holds every running sequence (its launches alone cost tens of ms on CUDA)
     FOLD = 64
+    # on CUDA, prefill steps whose matmuls (2 x parameters FLOPs a token) come under this run as
+    # graphs (PrefillGraphs): about what the device does at ~1 PFLOP/s while the host launches a
+    # prefill forward eagerly (~10 ms), so such a step is bound by the host. With the default budget:
+    # steps of up to 8,192 tokens at 0.5B, about 4,000 at 1.5B, 800 at 7B.
+    PREFILL_GRAPH_FLOPS = 1.25e13
 
     def _join(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq]) -> list[_Seq]:
         """Move the waiting sequences that continue an idle slot's history by at most FOLD tokens
@@ -603,12 +613,17 @@ class NativeRollout:
                 first[id(s.prompt)] = len(rows)
                 rows.append(s)
         lens = [len(s.prompt) - s.cached for s in rows]  # what each row prefills
-        ids = torch.zeros(len(rows), max(lens), dtype=torch.long)  # right-padded; pads never attended
+        continued = any(s.cached for s in rows)
+        width = max(lens)
+        if self.prefills is not None and not continued:  # padded to a graph's width where it fits one
+            padded = min(self.prefills.width(width), self.max_len)
+            fits = len(rows) * padded <= min(self.prefills.tokens, self.max_prefill_tokens)
+            width = padded if fits else width
+        ids = torch.zeros(len(rows), width, dtype=torch.long)  # right-padded; pads never attended
         for i, s in enumerate(rows):
             ids[i, :lens[i]] = torch.tensor(s.prompt[s.cached:])
         slots = torch.tensor([s.slot for s in rows], device=self.device)
         cached = torch.tensor([s.cached for s in rows], device=self.device)
-        continued = any(s.cached for s in rows)
         if continued:
             self._restore(slots)
         self.prefilled += sum(lens)
@@ -625,16 +640,20 @@ class NativeRollout:
         samples' slots and returns logits [B, V] at each prompt's last token; the others None."""
         start = p.done
         p.done = end = min(start + self.max_prefill_tokens, p.ids.shape[1])
-        hidden = self.model(p.ids[:, start:end], p.positions[:, start:end], self.cache, p.slots,
-                            p.cached + start if p.continued else start,
-                            p.reach + end)  # [P, S, H]
-        if end < p.ids.shape[1]:  # to a decode step in between, the rows look live: it writes at the
-            self._kv_lens[p.slots] = p.cached + end  # column the next chunk starts at, not column 0
-            return None
+        last = torch.tensor(p.lens, device=self.device) - 1 - start  # each row's last column in this chunk
+        picked = None  # [P, H] the hidden state there
+        if self.prefills is not None and start == 0 and end == p.ids.shape[1] and not p.continued:
+            picked = self.prefills.run(p.ids, p.positions, p.slots, last)
+        if picked is None:
+            hidden = self.model(p.ids[:, start:end], p.positions[:, start:end], self.cache, p.slots,
+                                p.cached + start if p.continued else start, p.reach + end)  # [P, S, H]
+            if end < p.ids.shape[1]:  # to a decode step in between, the rows look live: it writes at the
+                self._kv_lens[p.slots] = p.cached + end  # column the next chunk starts at, not column 0
+                return None
+            picked = hidden[torch.arange(len(p.lens), device=self.device), last]
         width = max(len(s.prompt) for s in p.batch)
         self._share(p.slots[p.owner], torch.tensor([s.slot for s in p.batch], device=self.device), width)
-        last = torch.tensor(p.lens, device=self.device) - 1 - start
-        return self.model.logits(hidden[torch.arange(len(p.lens), device=self.device), last])[p.owner]
+        return self.model.logits(picked)[p.owner]
 
     def _share(self, src: torch.Tensor, dst: torch.Tensor, width: int) -> None:
         """Copy the first `width` cached positions of slots `src` into slots `dst` (all layers)."""

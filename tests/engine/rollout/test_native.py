@@ -371,3 +371,12 @@ def test_samples_waiting_for_a_slot_copy_a_running_siblings_prompt(model_dir, hf
     logp = trainer_logprobs(hf, prompts, 4, flat, tok.pad_token_id, 1.0)
     diff = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
     assert diff.mean() < 1e-4 and diff.max() < 1e-3, (diff.mean(), diff.max())
+
+
+def test_prefill_graph_widths_are_few_and_pad_by_less_than_a_quarter():
+    from engine.rollout.graphs import PrefillGraphs
+
+    widths = [PrefillGraphs.width(n) for n in range(1, 8193)]
+    assert all(n <= w < n + max(16, n / 4) for n, w in enumerate(widths, 1)), "below n, or a quarter over"
+    assert widths == sorted(widths) and widths[127] == 128 and widths[128] == 160
+    assert len(set(widths)) == 8 + 4 * 6  # 16 to 128 by 16, then four an octave up to 8,192

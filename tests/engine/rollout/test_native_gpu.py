@@ -41,6 +41,7 @@ def test_greedy_graphs_eager_and_hf(model_dir, dtype):
     params = SamplingParams(temperature=0, max_new_tokens=24)
     got = [g[0].token_ids for g in graphs.generate(prompts, params)]
     assert graphs.graphs and graphs.graphs.captured, "decode did not go through CUDA graphs"
+    assert graphs.prefills and graphs.prefills.captured, "prefill did not go through CUDA graphs"
     assert got == [g[0].token_ids for g in eager.generate(prompts, params)]
     ref = HFRollout(hf, tok)
     want = [ref.generate([p], params)[0][0].token_ids for p in prompts]  # one at a time: no padding
@@ -144,7 +145,7 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
     prompts = [tok.encode(t) for t in TEXTS[:5]]
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = graphs.generate(prompts, params)
-    captured = dict(graphs.graphs.captured)
+    captured, prefills = dict(graphs.graphs.captured), dict(graphs.prefills.captured)
     at = (graphs.cache.k.data_ptr(), graphs.cache.v.data_ptr())
     for _ in range(2):
         free = torch.cuda.mem_get_info()[0]
@@ -170,6 +171,7 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
     graphs.load_weights((n, t) for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items())
     assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
     assert all(graphs.graphs.captured[key] is graph for key, graph in captured.items())
+    assert all(graphs.prefills.captured[key] is graph for key, graph in prefills.items())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
