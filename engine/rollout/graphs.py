@@ -16,8 +16,8 @@ Invariants:
   write K/V into column 0 of the slots only;
 - a step's picks are copied out (`copy_out`) before the next replay overwrites them.
 
-`PrefillGraphs` does the same for a prefill step of fresh prompts, one graph per (rows, columns),
-so that a small model's prefill costs its device time, not its kernels' launches on the host.
+`PrefillGraphs` does the same for a small prefill step of fresh prompts, one graph per (rows,
+columns), so that it costs its device time, not its kernels' launches on the host.
 
 Run: python -m pytest -m gpu tests/engine/rollout/test_native_gpu.py
 """
@@ -101,8 +101,8 @@ class DecodeGraphs:
 
 class PrefillGraphs:
     """The prefill of P fresh prompts, right-padded to S columns, as a CUDA graph per (P, S), captured
-    when first needed, all in one memory pool. A small model's prefill forward is bound by the host:
-    some 330 kernel launches, each costing the host more than the device its work. Columns are
+    when first needed, all in one memory pool. A small prefill step is bound by the host: some 330
+    kernel launches (at 0.5B), each costing the host more than the device its work. Columns are
     padded to four widths an octave (`width`), so that few graphs serve prompts of any length.
 
     Invariants:

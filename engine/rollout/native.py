@@ -155,7 +155,7 @@ class NativeRollout:
         self.between = 0  # decode steps run between two chunks of a long prefill
         # decode as CUDA graphs (engine/rollout/graphs.py); None = eager, as on CPU
         self.graphs: DecodeGraphs | None = None
-        self.prefills: PrefillGraphs | None = None  # prefill steps as graphs too, for small models
+        self.prefills: PrefillGraphs | None = None  # small prefill steps as graphs too
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.cache, self._ids, self._kv_lens, max_len, self.row_sizes)
             if self.model.tp.size == 1:
