@@ -108,8 +108,9 @@ class PrefillGraphs:
     Invariants:
     - a graph writes its rows' K/V into the slots its `slots` input names, at columns 0..S-1, and
       leaves each row's hidden state at column `last` in its output [P, H], valid until its next replay;
-    - prefill steps of at most `tokens` tokens run as graphs (the pool holds about one such forward's
-      activations), at most `MOST` graphs; larger steps, later chunks and continued rows run eagerly."""
+    - prefill steps of at most `tokens` tokens, `width` columns wide, run as graphs (the pool holds
+      about one such forward's activations), at most `MOST` graphs; other steps, later chunks and
+      continued rows run eagerly."""
 
     MOST = 256  # graphs kept: each (rows, width) pair met is one, and serving meets many
 
@@ -127,11 +128,13 @@ class PrefillGraphs:
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             last: torch.Tensor) -> torch.Tensor | None:
         """The prefill of `ids` and `positions` [P, S] into `slots` [P] as a graph replay: each row's
-        hidden state at its column `last` [P], [P, H]; None where the step is too large for a graph."""
+        hidden state at its column `last` [P], [P, H]; None where the step is not one for a graph."""
         P, S = ids.shape
-        if P * S > self.tokens or ((P, S) not in self.captured and len(self.captured) == self.MOST):
+        if S != self.width(S) or P * S > self.tokens:  # left unpadded: few other steps would share its graph
             return None
         if (P, S) not in self.captured:
+            if len(self.captured) == self.MOST:
+                return None
             self._capture(ids, positions, slots, last)
         graph, inputs, out = self.captured[P, S]
         for static, given in zip(inputs, (ids, positions, slots, last)):
