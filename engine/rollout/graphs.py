@@ -108,14 +108,18 @@ class PrefillGraphs:
     Invariants:
     - a graph writes its rows' K/V into the slots its `slots` input names, at columns 0..S-1, and
       leaves each row's hidden state at column `last` in its output [P, H], valid until its next replay;
-    - prefill steps of at most `tokens` tokens, `width` columns wide, run as graphs (the pool holds
-      about one such forward's activations), at most `MOST` graphs; other steps, later chunks and
-      continued rows run eagerly."""
+    - a step runs as a graph where `columns` gives it a width: at most `tokens` tokens (the pool holds
+      about one such forward's activations), at most `MOST` graphs; other steps run eagerly."""
 
     MOST = 256  # graphs kept: each (rows, width) pair met is one, and serving meets many
+    # steps whose matmuls (2 x parameters FLOPs a token) come under this: about what the device does at
+    # ~1 PFLOP/s while the host launches a prefill forward eagerly (~10 ms), so such a step is bound
+    # by the host. With the default budget: steps of up to 8,192 tokens at 0.5B, ~4,000 at 1.5B, ~800 at 7B.
+    FLOPS = 1.25e13
 
-    def __init__(self, model: NativeCausalLM, cache: KVCache, tokens: int) -> None:
-        self.model, self.cache, self.tokens = model, cache, tokens
+    def __init__(self, model: NativeCausalLM, cache: KVCache, budget: int) -> None:
+        self.model, self.cache = model, cache
+        self.tokens = min(budget, int(self.FLOPS // (2 * sum(p.numel() for p in model.parameters()))))
         self.captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, list[torch.Tensor], torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle()
 
@@ -125,13 +129,17 @@ class PrefillGraphs:
         step = max(16, 1 << max(0, n.bit_length() - 3))
         return -(-n // step) * step
 
+    def columns(self, rows: int, longest: int, room: int) -> int | None:
+        """The columns of a graph for a step of `rows` fresh prompts of at most `longest` tokens, within
+        `room` tokens a step and the slot's length alike; None where the step is not one for a graph."""
+        width = self.width(longest)
+        return width if rows * width <= min(self.tokens, room) and width <= self.cache.shape[3] else None
+
     def run(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             last: torch.Tensor) -> torch.Tensor | None:
-        """The prefill of `ids` and `positions` [P, S] into `slots` [P] as a graph replay: each row's
-        hidden state at its column `last` [P], [P, H]; None where the step is not one for a graph."""
+        """The prefill of `ids` and `positions` [P, S] (S from `columns`) into `slots` [P] as a graph
+        replay: each row's hidden state at its column `last` [P], [P, H]; None once `MOST` are kept."""
         P, S = ids.shape
-        if S != self.width(S) or P * S > self.tokens:  # left unpadded: few other steps would share its graph
-            return None
         if (P, S) not in self.captured:
             if len(self.captured) == self.MOST:
                 return None

@@ -99,6 +99,7 @@ class _Prefill:
     lens: list[int]  # what each row prefills
     continued: bool
     reach: int  # the most any row's slot already holds
+    graphed: bool  # whether it runs as a prefill graph (then in one step)
     done: int = 0  # columns of `ids` already in
 
 
@@ -159,9 +160,7 @@ class NativeRollout:
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(self.model, self.cache, self._ids, self._kv_lens, max_len, self.row_sizes)
             if self.model.tp.size == 1:
-                flops = 2 * sum(p.numel() for p in self.model.parameters())  # a token's, about
-                self.prefills = PrefillGraphs(self.model, self.cache,
-                                              min(max_prefill_tokens, int(self.PREFILL_GRAPH_FLOPS // flops)))
+                self.prefills = PrefillGraphs(self.model, self.cache, max_prefill_tokens)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         self._check(prompts, params)
@@ -413,11 +412,6 @@ class NativeRollout:
     # beside the others' decoding (the decode graph's cost per row is small), instead of a prefill
     # step that holds every running sequence (its launches alone cost tens of ms on CUDA)
     FOLD = 64
-    # on CUDA, prefill steps whose matmuls (2 x parameters FLOPs a token) come under this run as
-    # graphs (PrefillGraphs): about what the device does at ~1 PFLOP/s while the host launches a
-    # prefill forward eagerly (~10 ms), so such a step is bound by the host. With the default budget:
-    # steps of up to 8,192 tokens at 0.5B, about 4,000 at 1.5B, 800 at 7B.
-    PREFILL_GRAPH_FLOPS = 1.25e13
 
     def _join(self, waiting: deque[_Seq], free: list[int], reserved: dict[int, _Seq]) -> list[_Seq]:
         """Move the waiting sequences that continue an idle slot's history by at most FOLD tokens
@@ -614,12 +608,10 @@ class NativeRollout:
                 rows.append(s)
         lens = [len(s.prompt) - s.cached for s in rows]  # what each row prefills
         continued = any(s.cached for s in rows)
-        width = max(lens)
-        if self.prefills is not None and not continued:  # padded to a graph's width where it fits one
-            padded = min(self.prefills.width(width), self.max_len)
-            fits = len(rows) * padded <= min(self.prefills.tokens, self.max_prefill_tokens)
-            width = padded if fits else width
-        ids = torch.zeros(len(rows), width, dtype=torch.long)  # right-padded; pads never attended
+        graphed = None  # a prefill graph's columns, where the step is one (fresh prompts only)
+        if self.prefills is not None and not continued:
+            graphed = self.prefills.columns(len(rows), max(lens), self.max_prefill_tokens)
+        ids = torch.zeros(len(rows), graphed or max(lens), dtype=torch.long)  # right-padded; pads never attended
         for i, s in enumerate(rows):
             ids[i, :lens[i]] = torch.tensor(s.prompt[s.cached:])
         slots = torch.tensor([s.slot for s in rows], device=self.device)
@@ -631,7 +623,7 @@ class NativeRollout:
         self.reused += sum(s.cached for s in rows)
         return _Prefill(batch, torch.tensor([first[id(s.prompt)] for s in batch], device=self.device),
                         ids.to(self.device), cached[:, None] + torch.arange(ids.shape[1], device=self.device),
-                        slots, cached, lens, continued, max(s.cached for s in rows))
+                        slots, cached, lens, continued, max(s.cached for s in rows), graphed is not None)
 
     def _prefill_chunk(self, p: _Prefill) -> torch.Tensor | None:
         """Write the next `max_prefill_tokens` columns of `p` into its slots (a prompt over that budget
@@ -642,7 +634,8 @@ class NativeRollout:
         p.done = end = min(start + self.max_prefill_tokens, p.ids.shape[1])
         last = torch.tensor(p.lens, device=self.device) - 1 - start  # each row's last column in this chunk
         picked = None  # [P, H] the hidden state there
-        if self.prefills is not None and start == 0 and end == p.ids.shape[1] and not p.continued:
+        if p.graphed:
+            assert self.prefills is not None
             picked = self.prefills.run(p.ids, p.positions, p.slots, last)
         if picked is None:
             hidden = self.model(p.ids[:, start:end], p.positions[:, start:end], self.cache, p.slots,
