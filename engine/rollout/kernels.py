@@ -2,19 +2,19 @@
 (the measurements: docs/benchmarks.md, Rollout, "Triton decode kernels" and "the norms, RoPE and
 gating as Triton kernels"; `bench/decode_kernels.py` re-runs the attention and sampler comparison).
 
-- `decode_attention`: one program per (row, KV head) writes the step's K/V into the cache and runs
-  that head's G query heads together over the row's live cache columns only, with an online
-  softmax. PyTorch's flash kernel with per-row lengths reads every K/V head once per query head.
-  While the (row, KV head) pairs are too few to fill the GPU (a step's long tail), a long row's
+- `decode_attention`: one program per (row, KV head) applies RoPE to the step's q and k, writes its
+  K/V into the cache and runs that head's G query heads together over the row's live cache columns
+  only, with an online softmax. PyTorch's flash kernel with per-row lengths reads every K/V head
+  once per query head. While the (row, KV head) pairs are too few to fill the GPU (a step's long tail), a long row's
   columns split over several programs, the last to finish combining their pieces.
 - `categorical_sample`: a draw from softmax(logits / T) by inverting its CDF at one uniform per
-  row: one pass over the vocabulary in chunks gives each chunk's mass, small torch ops pick the
-  chunk, a second kernel scans only that chunk. It reads the logits about once; per-token Gumbel
+  row: one pass over the vocabulary in chunks gives each chunk's mass, a second kernel picks the
+  chunk and scans only it. It reads the logits about once; per-token Gumbel
   noise (the eager path's trick) spent most of its time making the noise.
-- `rms_norm`, `add_rms_norm`, `rope`, `silu_mul`: the decoder layer's elementwise steps, one launch
-  each (`instead` puts them in place of the functions in engine/rollout/model.py). Inductor fuses
-  them as well, but dynamo traced them again in every process; a kernel serves every row count
-  and is loaded from Triton's cache.
+- `rms_norm`, `add_rms_norm`, `rope` (prefill; decode rotates inside its attention), `silu_mul`: the
+  decoder layer's elementwise steps, one launch each (`instead` puts them in place of the
+  functions in engine/rollout/model.py). Inductor fuses them as well, but dynamo traced them again
+  in every process; a kernel serves every row count and is loaded from Triton's cache.
 - `quantize_fp8`: an fp8 engine's activations (engine/rollout/fp8.py), one program per row, before
   every projection's GEMM, with no recompiling as the row width changes from layer to layer.
 
@@ -55,10 +55,10 @@ def available(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _attend(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, out_ptr, part_m, part_t, part_acc, count_ptr, scale,
-                sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_n, so_b, so_h,
+    def _attend(q_ptr, kn_ptr, vn_ptr, k_ptr, v_ptr, lens_ptr, out_ptr, part_m, part_t, part_acc, count_ptr,
+                cos_ptr, sin_ptr, scale, sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sk_b, sk_h, sk_n, so_b, so_h, s_c,
                 G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                SPLITS: tl.constexpr, SPAN: tl.constexpr):
+                SPLITS: tl.constexpr, SPAN: tl.constexpr, ROTATE: tl.constexpr):
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         cached = tl.load(lens_ptr + b)
         # the row's columns in pieces of at least SPAN, one a program while they last: a short row
@@ -74,6 +74,15 @@ if triton is not None:
             # straight into program 0's softmax start
             k_new = tl.load(kn_ptr + b * skn_b + h * skn_h + d)
             v_new = tl.load(vn_ptr + b * svn_b + h * svn_h + d)
+            if ROTATE:  # RoPE (rotate-half) on q and k first, each rounded to its dtype as `_rope` does
+                other = (d + D // 2) % D  # the partner of column d in the other half
+                sign = tl.where(d < D // 2, -1.0, 1.0)
+                c = tl.load(cos_ptr + cached * s_c + d).to(tl.float32)  # at the row's position
+                n = tl.load(sin_ptr + cached * s_c + d).to(tl.float32) * sign
+                q2 = tl.load(q_ptr + b * sq_b + heads * sq_h + other[None, :], mask=(g < G)[:, None], other=0.0)
+                q = (q.to(tl.float32) * c[None, :] + q2.to(tl.float32) * n[None, :]).to(q.dtype)
+                k2 = tl.load(kn_ptr + b * skn_b + h * skn_h + other)
+                k_new = (k_new.to(tl.float32) * c + k2.to(tl.float32) * n).to(k_new.dtype)
             first = s == 0
             if first:
                 tl.store(k_row + cached * sk_n + d, k_new)
@@ -135,21 +144,34 @@ if triton is not None:
         tl.store(sum_ptr + out, tl.sum(tl.exp(x - top), 0))
 
     @triton.jit
-    def _pick_in_chunk(logits_ptr, chunk_ptr, max_ptr, rest_ptr, token_ptr, V, stride, inv_t_ptr, C,
-                       BLOCK: tl.constexpr):
-        """Per row: in its chosen chunk, the first token where the running sum of exp(x - m) passes
-        the row's remaining mass."""
+    def _pick(logits_ptr, max_ptr, sum_ptr, uniform_ptr, token_ptr, logp_ptr, V, stride, inv_t_ptr, C,
+              CP: tl.constexpr, BLOCK: tl.constexpr):
+        """Per row, from its chunks' (max, sum): the chunk where the cumulative mass passes the row's
+        uniform share of the whole, then the first token in it where the running sum of exp(x - m)
+        passes what is left; and that token's logprob over the whole tempered vocabulary."""
         b = tl.program_id(0)
         inv_t = tl.load(inv_t_ptr)
-        c = tl.load(chunk_ptr + b)
-        cols = c * BLOCK + tl.arange(0, BLOCK)
+        chunks = tl.arange(0, CP)
+        top = tl.load(max_ptr + b * C + chunks, mask=chunks < C, other=float("-inf"))
+        peak = tl.max(top, 0)
+        mass = tl.load(sum_ptr + b * C + chunks, mask=chunks < C, other=0.0) * tl.exp(top - peak)  # exp(peak) units
+        cumulative = tl.cumsum(mass, 0)
+        whole = tl.max(cumulative, 0)
+        target = tl.load(uniform_ptr + b) * whole
+        c = tl.minimum(tl.sum((cumulative <= target).to(tl.int32), 0), C - 1)
+        picked = chunks == c
+        top_c = tl.sum(tl.where(picked, top, 0.0), 0)
+        rest = (target - tl.sum(tl.where(picked, cumulative - mass, 0.0), 0)) / tl.exp(top_c - peak)
+        at = tl.arange(0, BLOCK)
+        cols = c * BLOCK + at
         x = tl.load(logits_ptr + b.to(tl.int64) * stride + cols, mask=cols < V, other=float("-inf"))
-        running = tl.cumsum(tl.exp(x.to(tl.float32) * inv_t - tl.load(max_ptr + b * C + c)), 0)
+        x = x.to(tl.float32) * inv_t
+        running = tl.cumsum(tl.exp(x - top_c), 0)
         # the chunk's total was summed in another order: stay below this sum's end, so the pick
         # always lands on a token with mass
-        rest = tl.minimum(tl.load(rest_ptr + b), tl.max(running, 0) * 0.99999)
-        tl.store(token_ptr + b, c * BLOCK + tl.sum((running <= rest).to(tl.int64), 0))
-
+        i = tl.sum((running <= tl.minimum(rest, tl.max(running, 0) * 0.99999)).to(tl.int32), 0)
+        tl.store(token_ptr + b, c * BLOCK + i)
+        tl.store(logp_ptr + b, tl.sum(tl.where(at == i, x, 0.0), 0) - peak - tl.log(whole))
 
     @triton.jit
     def _rms_norm(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, s_x, s_res, s_out, s_sum, eps,
@@ -313,11 +335,14 @@ _counts: dict[torch.device, torch.Tensor] = {}  # per device: the split pieces' 
 
 
 def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, kv_lens: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+                     v: torch.Tensor, kv_lens: torch.Tensor, splits: int | None = None,
+                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step's attention, row i on cache slot i: write this step's k_new, v_new [B, KV, D]
     at column kv_lens[i] of the slot's cache k, v [slots >= B, KV, L, D] (head-major, as
     engine/rollout/model.KVCache holds one layer), then attend q [B, H, D] over the slot's first
-    kv_lens[i] + 1 columns; out [B, H, D].
+    kv_lens[i] + 1 columns; out [B, H, D]. Given the RoPE tables `cos` and `sin` [positions > kv_lens,
+    D], q and k_new are rotated first, row i at position kv_lens[i] (engine/rollout/model.rope), in
+    the same launch.
 
     With fewer (row, KV head) pairs than the GPU runs programs at once (the long tail of a step), a
     row over `_SPAN` columns goes over up to `splits` programs (default: enough to fill the GPU),
@@ -327,6 +352,11 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     B, H, D = q.shape
     KV = k.shape[1]
     assert k.stride() == v.stride() and all(t.stride(-1) == 1 for t in (q, k_new, v_new, k))
+    rotate = cos is not None and sin is not None
+    if cos is None or sin is None:
+        cos = sin = q  # pointers the kernel never reads
+    else:
+        assert cos.shape == sin.shape and cos.shape[1] == D and cos.stride() == sin.stride() and cos.stride(1) == 1
     out = torch.empty_like(q)
     G = H // KV
     GP = max(16, triton.next_power_of_2(G))
@@ -341,9 +371,10 @@ def decode_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         raise ValueError(f"{B} rows x {KV} KV heads is too many to split over {splits} programs each")
     part = torch.empty(pieces * (D + 2), dtype=torch.float32, device=q.device)
     _attend[(B, KV, splits)](q, k_new, v_new, k, v, kv_lens, out, part, part[pieces:], part[2 * pieces:], counts,
-                             D ** -0.5, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
-                             v_new.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0), out.stride(1),
-                             G=G, GP=GP, D=D, BLOCK_N=64, SPLITS=splits, SPAN=_SPAN)
+                             cos, sin, D ** -0.5, q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+                             v_new.stride(0), v_new.stride(1), k.stride(0), k.stride(1), k.stride(2), out.stride(0),
+                             out.stride(1), cos.stride(0),
+                             G=G, GP=GP, D=D, BLOCK_N=64, SPLITS=splits, SPAN=_SPAN, ROTATE=rotate)
     return out
 
 
@@ -354,18 +385,12 @@ def categorical_sample(logits: torch.Tensor, inv_t: torch.Tensor,
     inside. `inv_t` is 1/temperature as a one-element float32 tensor on the device, read by the
     kernels, so a CUDA graph of this serves any temperature; no host sync anywhere."""
     B, V = logits.shape
-    assert logits.stride(-1) == 1
+    assert logits.stride(-1) == 1 and uniform.is_contiguous()
     block, device = 4096, logits.device
     chunks = triton.cdiv(V, block)
     top, total = torch.empty(B, chunks, device=device), torch.empty(B, chunks, device=device)
     _chunk_mass[(B, chunks)](logits, top, total, V, logits.stride(0), inv_t, BLOCK=block)
-    peak = top.amax(-1, keepdim=True)  # [B, 1]
-    mass = total * (top - peak).exp()  # [B, C], in units of exp(peak)
-    cumulative = mass.cumsum(-1)
-    target = uniform[:, None] * cumulative[:, -1:]
-    chunk = torch.searchsorted(cumulative, target, right=True).clamp_(max=chunks - 1)  # [B, 1]
-    rest = (target - cumulative.gather(-1, chunk) + mass.gather(-1, chunk)) / (top.gather(-1, chunk) - peak).exp()
-    tokens = torch.empty(B, dtype=torch.long, device=device)
-    _pick_in_chunk[(B,)](logits, chunk, top, rest, tokens, V, logits.stride(0), inv_t, chunks, BLOCK=block)
-    lse = peak[:, 0] + cumulative[:, -1].log()
-    return tokens, logits.gather(-1, tokens[:, None])[:, 0].float() * inv_t - lse
+    tokens, logprobs = torch.empty(B, dtype=torch.long, device=device), torch.empty(B, device=device)
+    _pick[(B,)](logits, top, total, uniform, tokens, logprobs, V, logits.stride(0), inv_t, chunks,
+                CP=triton.next_power_of_2(chunks), BLOCK=block)
+    return tokens, logprobs

@@ -215,8 +215,8 @@ class RMSNorm(nn.Module):
 @dataclass
 class AttnContext:
     """What attention needs beyond hidden states, built once per forward."""
-    cos: torch.Tensor  # [B, S, D]
-    sin: torch.Tensor  # [B, S, D]
+    cos: torch.Tensor  # [B, S, D]; decode with the Triton kernel (no mask): the table [positions, D]
+    sin: torch.Tensor  # as cos
     cache: KVCache | None = None
     slots: torch.Tensor | None = None  # [B] cache slot of each row (prefill)
     start: int | torch.Tensor = 0  # prefill: tokens of these rows already in the cache (a later chunk of
@@ -292,9 +292,9 @@ class Attention(nn.Module):
         v = v.view(B, S, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2))
-        if ctx.kv_lens is not None:
+        if ctx.kv_lens is not None:  # decode rotates q and k itself, inside the attention kernel
             return self.o_proj(self._decode(q, k, v, ctx).reshape(B, S, -1))
+        q, k = rope(q, k, ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, S, D]
         mask: torch.Tensor | CausalBias | None = None
         if isinstance(ctx.start, torch.Tensor):  # rows continue after cached histories of their own lengths
@@ -321,7 +321,8 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
-        """Append row i's token to slot i at kv_lens[i]; attend over the slot's first W columns.
+        """Rotate q and k, append row i's token to slot i at kv_lens[i]; attend over the slot's first
+        W columns.
 
         The query heads that share a KV head ride as that head's "query positions", so attention
         needs neither a KV repeat nor a gather: q [B, KV, G, D] against the cache view [B, KV, W, D]."""
@@ -329,8 +330,9 @@ class Attention(nn.Module):
         assert ctx.kv_lens is not None
         B = q.shape[0]
         ck, cv = ctx.cache.k[self.layer], ctx.cache.v[self.layer]  # [slots, KV, L, D]
-        if ctx.mask is None:  # one kernel: the cache write, then only each row's live columns
-            return kernels.decode_attention(q[:, 0], k[:, 0], v[:, 0], ck, cv, ctx.kv_lens)
+        if ctx.mask is None:  # one kernel: RoPE, the cache write, then only each row's live columns
+            return kernels.decode_attention(q[:, 0], k[:, 0], v[:, 0], ck, cv, ctx.kv_lens, cos=ctx.cos, sin=ctx.sin)
+        q, k = rope(q, k, ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2))
         rows = torch.arange(B, device=q.device)
         ck[rows, :, ctx.kv_lens] = k[:, 0]
         cv[rows, :, ctx.kv_lens] = v[:, 0]
@@ -428,6 +430,7 @@ class NativeCausalLM(nn.Module):
         self.requires_grad_(False)
         self.weights: StableBuffer | None = None  # on CUDA, where `materialize` put every parameter
         self.writes = 0  # how many times the weights were (re)written: a KV cache made before is stale
+        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # `_rope_table`
 
     def materialize(self, device: str | torch.device, dtype: torch.dtype) -> NativeCausalLM:
         """Uninitialised storage in `dtype` for a model built on the meta device (fp8 weights and
@@ -557,11 +560,19 @@ class NativeCausalLM(nn.Module):
         Attends over the first `width` cached columns; a row whose slot is idle (kv_len 0) only
         scribbles on its own column 0, which the next prefill of that slot overwrites."""
         weight = self.model.embed_tokens.weight
-        # the Triton kernel reads each row's live columns itself; the written-out attention needs a mask
-        mask = None if kernels.available(weight) else decode_mask(kv_lens, width, weight.dtype)
-        positions = kv_lens[:, None]
-        ctx = AttnContext(*self._rope(positions), cache, kv_lens=kv_lens, mask=mask)
+        if kernels.available(weight):  # the Triton kernel reads each row's RoPE and live columns itself
+            ctx = AttnContext(*self._rope_table(cache.shape[3], kv_lens.device), cache, kv_lens=kv_lens)
+        else:  # the written-out attention needs the rows' cos/sin and a mask
+            mask = decode_mask(kv_lens, width, weight.dtype)
+            ctx = AttnContext(*self._rope(kv_lens[:, None]), cache, kv_lens=kv_lens, mask=mask)
         return self._run(ids[:, None], ctx)[:, 0]
+
+    def _rope_table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [length, D] of positions 0..length-1, made once per length and kept: the decode
+        graphs read them where they were at capture."""
+        if (length, device) not in self._tables:
+            self._tables[(length, device)] = self._rope(torch.arange(length, device=device))
+        return self._tables[(length, device)]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, S, D] in the weights' dtype, computed in float32 as transformers does."""

@@ -11,26 +11,41 @@ from engine.rollout.model import decode_attention, decode_mask
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("rotate", [False, True])
 @pytest.mark.parametrize("splits", [1, 4, None])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(14, 2, 64), (12, 2, 128), (4, 4, 64), (28, 4, 128)])
-def test_decode_attention_writes_the_step_and_matches_eager(heads, kv_heads, dim, splits):
+def test_decode_attention_writes_the_step_and_matches_eager(heads, kv_heads, dim, splits, rotate):
     torch.manual_seed(0)
     B, slots, L = 37, 40, 1400
     k = torch.randn(slots, kv_heads, L, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    q = torch.randn(B, heads, dim, device="cuda", dtype=torch.bfloat16)
-    k_new, v_new = torch.randn(2, B, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    # q and the step's K/V as views of one projection's output, as the decoder layer passes them
+    qkv = torch.randn(B, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+    q, k_new, v_new = (t.view(B, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
     lens = torch.randint(0, L - 1, (B,), device="cuda")
     lens[:5] = torch.tensor([0, 63, 64, 1024, 1025])  # only this step's token; block and piece edges
+    rope = {}
+    want_q, want_k_new = q, k_new
+    if rotate:  # RoPE tables by position, each row rotated at its own, in the kernel and eagerly
+        angles = torch.arange(L, device="cuda")[:, None] * 10_000 ** -(torch.arange(0, dim, 2, device="cuda") / dim)
+        angles = torch.cat([angles, angles], -1)
+        rope = {"cos": angles.cos().bfloat16(), "sin": angles.sin().bfloat16()}
+        cos, sin = (rope[name][lens][:, None, None].float() for name in ("cos", "sin"))
+        exact = eager(model.rope)(q[:, None].float(), k_new[:, None].float(), cos, sin)
+        want_q, want_k_new = (t[:, 0].bfloat16() for t in exact)
     want_k, want_v = k.clone(), v.clone()
     rows = torch.arange(B, device="cuda")
-    want_k[rows, :, lens], want_v[rows, :, lens] = k_new, v_new
+    want_k[rows, :, lens], want_v[rows, :, lens] = want_k_new, v_new
     mask = decode_mask(lens, L, torch.bfloat16)
-    want = decode_attention(q.view(B, kv_heads, -1, dim), want_k[:B], want_v[:B], mask).view(B, heads, dim)
+    want = decode_attention(want_q.reshape(B, kv_heads, -1, dim), want_k[:B], want_v[:B], mask).view(B, heads, dim)
 
-    got = kernels.decode_attention(q, k_new, v_new, k, v, lens, splits)
+    got = kernels.decode_attention(q, k_new, v_new, k, v, lens, splits, **rope)
 
-    assert torch.equal(k, want_k) and torch.equal(v, want_v)  # the step's K/V written, nothing else
+    assert torch.equal(v, want_v)  # the step's K/V written, nothing else
+    if rotate:  # within one bf16 rounding of the exact rotation
+        torch.testing.assert_close(k, want_k, atol=1e-6, rtol=2**-7)
+    else:
+        assert torch.equal(k, want_k)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
