@@ -5,12 +5,13 @@ gating as Triton kernels"; `bench/decode_kernels.py` re-runs the attention and s
 - `decode_attention`: one program per (row, KV head) applies RoPE to the step's q and k, writes its
   K/V into the cache and runs that head's G query heads together over the row's live cache columns
   only, with an online softmax. PyTorch's flash kernel with per-row lengths reads every K/V head
-  once per query head. While the (row, KV head) pairs are too few to fill the GPU (a step's long tail), a long row's
-  columns split over several programs, the last to finish combining their pieces.
+  once per query head. While the (row, KV head) pairs are too few to fill the GPU (a step's long
+  tail), a long row's columns split over several programs, the last to finish combining their
+  pieces.
 - `categorical_sample`: a draw from softmax(logits / T) by inverting its CDF at one uniform per
   row: one pass over the vocabulary in chunks gives each chunk's mass, a second kernel picks the
-  chunk and scans only it. It reads the logits about once; per-token Gumbel
-  noise (the eager path's trick) spent most of its time making the noise.
+  chunk and scans only it. It reads the logits about once; per-token Gumbel noise (the eager
+  path's trick) spent most of its time making the noise.
 - `rms_norm`, `add_rms_norm`, `rope` (prefill; decode rotates inside its attention), `silu_mul`: the
   decoder layer's elementwise steps, one launch each (`instead` puts them in place of the
   functions in engine/rollout/model.py). Inductor fuses them as well, but dynamo traced them again
