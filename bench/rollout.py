@@ -13,9 +13,10 @@ run every engine once each, interleaved so host drift hits all alike (median and
 runs with its dynamic and its static cache (`--hf-cache`). A last, synchronized run of each
 native engine gives the per-phase breakdown; the roofline is decode's bytes (weights + the KV
 each step reads, and the step's logits once, in fp32) over the HBM bandwidth,
-measured in the same run by a 1 GiB device copy (`--hbm-tbps` overrides it). It ignores
-arithmetic, of the same order at 7B and 256 rows in bf16 (an estimate: 2 x 7.6e9 x 256 FLOPs a
-step at ~790 TFLOP/s is ~4.9 ms, the weights' bytes ~3.8 ms). `--gap N`: each native engine's
+measured in the same run by a 1 GiB device copy (`--hbm-tbps` overrides it). A second line counts
+arithmetic too: the step's matmuls take at least their FLOPs (2 a weight a row) at the rate of an
+8192^3 matmul measured in the same run, where that is longer than reading the weights. It is, past
+a few hundred rows: at 0.5B and 1,024 rows, or 7B and 256. `--gap N`: each native engine's
 logprobs of N sampled sequences against a bf16 training forward (the HF model) over the same
 tokens.
 
@@ -42,7 +43,7 @@ from dataclasses import replace
 
 import torch
 from length_mix import Mix, answer_length, patch_native, prompt_lengths
-from shapes import QWEN25, TINY, copy_tbps, endless_model, sync  # bench/shapes.py (bench/ is sys.path[0])
+from shapes import QWEN25, TINY, copy_tbps, endless_model, matmul_tflops, sync  # bench/shapes.py, on sys.path
 from transformers import Qwen2Config
 
 from engine.rollout import fp8
@@ -95,13 +96,24 @@ def kv_per_token(cfg: Qwen2Config) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
 
 
+def matmul_params(cfg: Qwen2Config) -> tuple[int, int]:
+    """(the decoder's projection weights, the lm_head's): what a decode step multiplies each row by,
+    2 FLOPs a weight a row."""
+    d = cfg.hidden_size // cfg.num_attention_heads
+    q, kv, h = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.hidden_size
+    layer = h * (q + 2 * kv) + q * h + 3 * h * cfg.intermediate_size
+    return cfg.num_hidden_layers * layer, cfg.vocab_size * h
+
+
 def roofline(cfg: Qwen2Config, weight_bytes: int, seqs: int, prompt: int, new: int, kv_itemsize: int,
-             tbps: float) -> float:
+             tbps: float, matmul_s: float = 0.0) -> float:
     """Decode tokens/s if every step only read the weights and the live KV once from HBM and moved
-    its logits once (fp32: at 1,024 rows and a 152k vocabulary, 0.6 GB)."""
+    its logits once (fp32: at 1,024 rows and a 152k vocabulary, 0.6 GB). With `matmul_s`, the step's
+    matrix multiplies take at least that long, whichever of their bytes and their FLOPs binds (all
+    of them have about `seqs` FLOPs a byte of weights, so they sit on the same side of the ridge)."""
     logits_bytes = 4 * seqs * cfg.vocab_size
-    step_bytes = weight_bytes + kv_itemsize * seqs * (prompt + new / 2) * kv_per_token(cfg) + logits_bytes
-    return seqs * tbps * 1e12 / step_bytes
+    rest = kv_itemsize * seqs * (prompt + new / 2) * kv_per_token(cfg) + logits_bytes
+    return seqs / (max(weight_bytes / (tbps * 1e12), matmul_s) + rest / (tbps * 1e12))
 
 
 def mix_decode_bytes(cfg: Qwen2Config, weight_bytes: int, prompt_lens: list[int], answers: list[int],
@@ -299,6 +311,7 @@ def main() -> None:
               f"{gap.mean():.2e}, p99 {gap.quantile(0.99):.2e}, max {gap.max():.2e}", flush=True)
     if device == "cuda":
         tbps = args.hbm_tbps or copy_tbps()
+        tflops: dict[bool, float] = {}  # the measured matmul rate, by whether it is fp8
         for name, native in natives.items():
             weight_bytes = sum(p.numel() * p.element_size() for p in native.model.parameters())
             if mix:  # the step's floor: its prefill alone, then one weight read per step of the longest answer
@@ -315,10 +328,21 @@ def main() -> None:
                 print(f"  {name}: against a floor that also reads each live row's KV ({moved[1] / 1e9:.1f} GB) and "
                       f"writes its logits ({moved[2] / 1e9:.1f} GB) once a step: {floor:.3f} s ({gen / floor:.2f}x)")
                 continue
-            peak = roofline(cfg, weight_bytes, args.slots or args.seqs, args.prompt, args.new, dtype.itemsize, tbps)
+            rows = args.slots or args.seqs
+            peak = roofline(cfg, weight_bytes, rows, args.prompt, args.new, dtype.itemsize, tbps)
             print(f"  HBM {tbps:.2f} TB/s ({'given' if args.hbm_tbps else 'measured: 1 GiB device copy'}); {name}: "
                   f"weights {weight_bytes / 1e9:.2f} GB, decode roofline ~{peak:,.0f} tok/s, reaches "
                   f"{100 * results[name] / peak:.0f}%")
+            quantized = any(p.dtype == fp8.FP8 for p in native.model.parameters())
+            for kind in {False, quantized}:
+                tflops.setdefault(kind, matmul_tflops(fp8=kind))
+            projections, head = matmul_params(cfg)  # an fp8 engine's lm_head stays bf16
+            matmul_s = 2 * rows * (projections / tflops[quantized] + head / tflops[False]) / 1e12
+            peak = roofline(cfg, weight_bytes, rows, args.prompt, args.new, dtype.itemsize, tbps, matmul_s)
+            print(f"  {name}, counting arithmetic too: the step's matmuls need {1e3 * matmul_s:.2f} ms at "
+                  f"{tflops[quantized]:.0f} TFLOP/s ({'fp8' if quantized else 'bf16'}, measured: an 8192^3 matmul), "
+                  f"the weights' bytes {1e3 * weight_bytes / (tbps * 1e12):.2f} ms; roofline ~{peak:,.0f} tok/s, "
+                  f"reaches {100 * results[name] / peak:.0f}%")
         print(f"  peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 

@@ -75,6 +75,28 @@ def copy_tbps(device: str = "cuda") -> float:
     return 2 * src.numel() * src.element_size() / sorted(times)[2] / 1e12
 
 
+def matmul_tflops(fp8: bool = False, n: int = 8192, device: str = "cuda") -> float:
+    """This device's dense matmul rate in TFLOP/s: an n x n x n matmul in bf16, or in float8 e4m3
+    through `torch._scaled_mm` (as an fp8 engine's projections run), median of 5."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    if fp8:
+        a8, b8, one = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), torch.ones((), device=device)
+        def run() -> object:
+            return torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
+    else:
+        def run() -> object:
+            return a @ b
+    run()
+    times = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / sorted(times)[2] / 1e12
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
