@@ -30,8 +30,9 @@ engines only: transformers' generate cannot end rows at their own lengths here),
 step's generation floor (on CUDA): the prefill of its prompts as the engine runs it alone (a
 call for one new token each), plus its longest answer's decode steps at one read of the weights
 each; and a second floor that also reads each live row's KV and writes its logits once a step
-(what a step over many rows cannot avoid). A long tail holds a step: the rows finish one by one
-while the longest keeps decoding.
+(what a step over many rows cannot avoid); and a third that adds what a step's matmuls take beyond
+reading the weights, at the measured matmul rate, where it has the rows to. A long tail holds a
+step: the rows finish one by one while the longest keeps decoding.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections import Counter
 from dataclasses import replace
 
 import torch
@@ -123,6 +125,17 @@ def mix_decode_bytes(cfg: Qwen2Config, weight_bytes: int, prompt_lens: list[int]
     t tokens in holding p + t; each live row's logits, written once in fp32) in bytes."""
     kv = kv_itemsize * kv_per_token(cfg) * sum(a * p + a * (a - 1) // 2 for p, a in zip(prompt_lens, answers))
     return max(answers) * weight_bytes, kv, 4 * cfg.vocab_size * sum(answers)
+
+
+def matmul_excess(answers: list[int], weight_s: float, row_s: float) -> float:
+    """Seconds the decode steps' matmuls take beyond reading the weights, every row starting at step
+    0: step t runs the rows whose answers are longer than t, `row_s` each at the peak rate."""
+    ends = Counter(answers)
+    rows, excess = len(answers), 0.0
+    for t in range(max(answers)):
+        excess += max(0.0, rows * row_s - weight_s)
+        rows -= ends[t + 1]
+    return excess
 
 
 def logprob_gap(native: NativeRollout, hf_model, prompts: list[list[int]], new: int, pad: int) -> torch.Tensor:
@@ -310,10 +323,17 @@ def main() -> None:
         print(f"  {name} vs bf16 training forward, {args.gap} x {args.new} sampled tokens: mean |dlogprob| "
               f"{gap.mean():.2e}, p99 {gap.quantile(0.99):.2e}, max {gap.max():.2e}", flush=True)
     if device == "cuda":
+        engines_peak = torch.cuda.max_memory_allocated()  # before the copy and the matmul below allocate theirs
         tbps = args.hbm_tbps or copy_tbps()
         tflops: dict[bool, float] = {}  # the measured matmul rate, by whether it is fp8
         for name, native in natives.items():
             weight_bytes = sum(p.numel() * p.element_size() for p in native.model.parameters())
+            quantized = any(p.dtype == fp8.FP8 for p in native.model.parameters())
+            for kind in {False, quantized}:
+                tflops.setdefault(kind, matmul_tflops(fp8=kind))
+            projections, head = matmul_params(cfg)  # an fp8 engine's lm_head stays bf16
+            row_s = 2 * (projections / tflops[quantized] + head / tflops[False]) / 1e12  # a row's matmuls at the peak
+            rate = f"{tflops[quantized]:.0f} TFLOP/s ({'fp8' if quantized else 'bf16'}, measured: an 8192^3 matmul)"
             if mix:  # the step's floor: its prefill alone, then one weight read per step of the longest answer
                 prefill = statistics.median(timed(native, prompts, replace(params, max_new_tokens=1))[0]
                                             for _ in range(3))
@@ -327,23 +347,21 @@ def main() -> None:
                 floor = prefill + sum(moved) / (tbps * 1e12)
                 print(f"  {name}: against a floor that also reads each live row's KV ({moved[1] / 1e9:.1f} GB) and "
                       f"writes its logits ({moved[2] / 1e9:.1f} GB) once a step: {floor:.3f} s ({gen / floor:.2f}x)")
+                if not args.slots or args.slots >= len(answers):  # every row from the first step on
+                    floor += matmul_excess(answers, weight_bytes / (tbps * 1e12), row_s)
+                    print(f"  {name}: and where a step's matmuls at {rate} outlast its weights' read, the "
+                          f"matmuls: {floor:.3f} s ({gen / floor:.2f}x)")
                 continue
             rows = args.slots or args.seqs
             peak = roofline(cfg, weight_bytes, rows, args.prompt, args.new, dtype.itemsize, tbps)
             print(f"  HBM {tbps:.2f} TB/s ({'given' if args.hbm_tbps else 'measured: 1 GiB device copy'}); {name}: "
                   f"weights {weight_bytes / 1e9:.2f} GB, decode roofline ~{peak:,.0f} tok/s, reaches "
                   f"{100 * results[name] / peak:.0f}%")
-            quantized = any(p.dtype == fp8.FP8 for p in native.model.parameters())
-            for kind in {False, quantized}:
-                tflops.setdefault(kind, matmul_tflops(fp8=kind))
-            projections, head = matmul_params(cfg)  # an fp8 engine's lm_head stays bf16
-            matmul_s = 2 * rows * (projections / tflops[quantized] + head / tflops[False]) / 1e12
-            peak = roofline(cfg, weight_bytes, rows, args.prompt, args.new, dtype.itemsize, tbps, matmul_s)
-            print(f"  {name}, counting arithmetic too: the step's matmuls need {1e3 * matmul_s:.2f} ms at "
-                  f"{tflops[quantized]:.0f} TFLOP/s ({'fp8' if quantized else 'bf16'}, measured: an 8192^3 matmul), "
+            peak = roofline(cfg, weight_bytes, rows, args.prompt, args.new, dtype.itemsize, tbps, rows * row_s)
+            print(f"  {name}, counting arithmetic too: the step's matmuls need {1e3 * rows * row_s:.2f} ms at {rate}, "
                   f"the weights' bytes {1e3 * weight_bytes / (tbps * 1e12):.2f} ms; roofline ~{peak:,.0f} tok/s, "
                   f"reaches {100 * results[name] / peak:.0f}%")
-        print(f"  peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        print(f"  peak memory {engines_peak / 2**30:.1f} GiB")
 
 
 if __name__ == "__main__":

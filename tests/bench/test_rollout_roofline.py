@@ -38,3 +38,10 @@ def test_arithmetic_lowers_the_roofline_only_where_it_outlasts_the_weights():
     assert slower < bytes_only
     # the step's time grew by exactly the matmuls' excess over the read
     assert 1024 / slower - 1024 / bytes_only == pytest.approx(2 * read)
+
+
+def test_matmuls_add_only_on_steps_with_rows_enough():
+    # answers of 1, 2 and 4 steps: 3 rows, then 2, then 1 twice
+    assert rollout.matmul_excess([1, 2, 4], weight_s=1.0, row_s=0.5) == pytest.approx(0.5)
+    assert rollout.matmul_excess([1, 2, 4], weight_s=1.0, row_s=1.0) == pytest.approx(2 + 1)
+    assert rollout.matmul_excess([1, 2, 4], weight_s=3.0, row_s=1.0) == 0.0
