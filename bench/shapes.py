@@ -77,12 +77,17 @@ def copy_tbps(device: str = "cuda") -> float:
 
 def matmul_tflops(fp8: bool = False, n: int = 8192, device: str = "cuda") -> float:
     """This device's dense matmul rate in TFLOP/s: an n x n x n matmul in bf16, or in float8 e4m3
-    through `torch._scaled_mm` (as an fp8 engine's projections run), median of 5."""
+    through `torch._scaled_mm` with a scale per row, as an fp8 engine's projections run
+    (engine/rollout/fp8.py); median of 5."""
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     if fp8:
-        a8, b8, one = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t(), torch.ones((), device=device)
+        from engine.rollout.fp8 import FAST_ACCUM, FP8
+        a8, b8 = a.to(FP8), b.to(FP8).t()  # the second operand column-major, as a weight's transpose
+        rows, cols = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
+
         def run() -> object:
-            return torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
+            return torch._scaled_mm(a8, b8, scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16,
+                                    use_fast_accum=FAST_ACCUM)
     else:
         def run() -> object:
             return a @ b

@@ -45,3 +45,9 @@ def test_matmuls_add_only_on_steps_with_rows_enough():
     assert rollout.matmul_excess([1, 2, 4], weight_s=1.0, row_s=0.5) == pytest.approx(0.5)
     assert rollout.matmul_excess([1, 2, 4], weight_s=1.0, row_s=1.0) == pytest.approx(2 + 1)
     assert rollout.matmul_excess([1, 2, 4], weight_s=3.0, row_s=1.0) == 0.0
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_matmul_rate_is_measured_in_bf16_and_as_the_fp8_engine_multiplies(fp8):
+    from shapes import matmul_tflops
+    assert 0 < matmul_tflops(fp8=fp8, n=64, device="cpu") < float("inf")
