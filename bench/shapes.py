@@ -59,20 +59,25 @@ def timed(fn: Callable[[], object], device: str | torch.device) -> float:
     return float(t.item())
 
 
+def median_seconds(run: Callable[[], object]) -> float:
+    """Seconds `run` takes on this device, warm: the median of 5 synchronized calls after one untimed."""
+    run()
+    times = []
+    for _ in range(5):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[2]
+
+
 def copy_tbps(device: str = "cuda") -> float:
     """This device's memory bandwidth in TB/s: bytes read + written per second by a 1 GiB copy
     (median of 5)."""
     src = torch.empty(2**29, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(5):
-        sync()
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / sorted(times)[2] / 1e12
+    return 2 * src.numel() * src.element_size() / median_seconds(lambda: dst.copy_(src)) / 1e12
 
 
 def matmul_tflops(fp8: bool = False, n: int = 8192, device: str = "cuda") -> float:
@@ -91,15 +96,7 @@ def matmul_tflops(fp8: bool = False, n: int = 8192, device: str = "cuda") -> flo
     else:
         def run() -> object:
             return a @ b
-    run()
-    times = []
-    for _ in range(5):
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / sorted(times)[2] / 1e12
+    return 2 * n**3 / median_seconds(run) / 1e12
 
 
 def free_port() -> int:

@@ -608,10 +608,10 @@ class NativeRollout:
                 rows.append(s)
         lens = [len(s.prompt) - s.cached for s in rows]  # what each row prefills
         continued = any(s.cached for s in rows)
-        graphed = None  # a prefill graph's columns, where the step is one (fresh prompts only)
+        width = None  # a prefill graph's columns, where the step is one (fresh prompts only)
         if self.prefills is not None and not continued:
-            graphed = self.prefills.columns(len(rows), max(lens), self.max_prefill_tokens)
-        ids = torch.zeros(len(rows), graphed or max(lens), dtype=torch.long)  # right-padded; pads never attended
+            width = self.prefills.columns(len(rows), max(lens), self.max_prefill_tokens)
+        ids = torch.zeros(len(rows), width or max(lens), dtype=torch.long)  # right-padded; pads never attended
         for i, s in enumerate(rows):
             ids[i, :lens[i]] = torch.tensor(s.prompt[s.cached:])
         slots = torch.tensor([s.slot for s in rows], device=self.device)
@@ -623,7 +623,7 @@ class NativeRollout:
         self.reused += sum(s.cached for s in rows)
         return _Prefill(batch, torch.tensor([first[id(s.prompt)] for s in batch], device=self.device),
                         ids.to(self.device), cached[:, None] + torch.arange(ids.shape[1], device=self.device),
-                        slots, cached, lens, continued, max(s.cached for s in rows), graphed is not None)
+                        slots, cached, lens, continued, max(s.cached for s in rows), width is not None)
 
     def _prefill_chunk(self, p: _Prefill) -> torch.Tensor | None:
         """Write the next `max_prefill_tokens` columns of `p` into its slots (a prompt over that budget
