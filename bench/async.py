@@ -61,7 +61,7 @@ MODES = {
 def rlflow(work: Path, name: str, *overrides: str, conf: list[str] = (), tool_s: float = 0.0) -> str:
     """One `rlflow train [conf]` into the store under `work`; returns its run id."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db", "TOOL_S": str(tool_s)}
-    cmd = [sys.executable, "-m", "pipelines.cli", "train", *conf, f"trainer.output_dir={work / name}",
+    cmd = [sys.executable, "-m", "rlflow.pipelines.cli", "train", *conf, f"trainer.output_dir={work / name}",
            f"trainer.run_name={name}", "trainer.progress=false", "trainer.log_checkpoint=false", *overrides]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:

@@ -30,10 +30,10 @@ from collections.abc import Callable
 import torch
 from shapes import QWEN25, TINY, sync  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 
-from engine.rollout import kernels
-from engine.rollout.base import SamplingParams
-from engine.rollout.model import decode_attention, decode_mask
-from engine.rollout.sampling import sample
+from rlflow.engine.rollout import kernels
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout.model import decode_attention, decode_mask
+from rlflow.engine.rollout.sampling import sample
 
 SHAPES = {**QWEN25, "tiny": TINY}
 

@@ -19,7 +19,7 @@ step per generation batch), token-mean PPO-clip loss (TRL's `dapo`), no KL and n
 Qwen2.5 shape (bench/shapes.py) and a byte-level BPE tokenizer whose tokens cover every id
 (`build_tokenizer`), saved once as a HF directory that both load by path (no download).
 
-- rlflow: the real job, `python -m pipelines.cli train <generated yaml>` (Ray, compiled DAG,
+- rlflow: the real job, `python -m rlflow.pipelines.cli train <generated yaml>` (Ray, compiled DAG,
   MLflow), then the per-step metrics read back from its MLflow store (`timing_s/*`, `perf/*`).
 - `--variant NAME:SETTINGS` (repeatable): rlflow jobs of their own, side by side, each with its
   settings over `--rlflow-set`'s (e.g. a rollout pool of its own generating one step ahead, or two
@@ -271,7 +271,7 @@ def micro_tokens(args: argparse.Namespace) -> int:
 
 def gpus_used(conf_path: Path) -> int:
     """GPUs a job's pools take: the hybrid pool's and each GPU role's pool of its own."""
-    from engine.config import load_config
+    from rlflow.engine.config import load_config
 
     cfg = load_config(conf_path)
     p = cfg.placement
@@ -282,8 +282,8 @@ def gpus_used(conf_path: Path) -> int:
 
 def non_defaults(conf_path: Path) -> dict[str, Any]:
     """The resolved config's keys that differ from rlflow's defaults."""
-    from engine.config import Config, load_config, to_dict
-    from engine.tracking import flatten
+    from rlflow.engine.config import Config, load_config, to_dict
+    from rlflow.engine.tracking import flatten
 
     got, default = flatten(to_dict(load_config(conf_path))), flatten(to_dict(Config()))
     return {k: v for k, v in got.items() if v != default[k]}
@@ -329,7 +329,7 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
         env.update(hook_dir(work / "length_mix_hook", args.mix)[1])
     log = work / f"rlflow_{slug}.log"
     with DevicePeak() as peak:
-        rc, tail = run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf)], log, env)
+        rc, tail = run_logged([sys.executable, "-m", "rlflow.pipelines.cli", "train", str(conf)], log, env)
     if rc:
         raise SystemExit(f"rlflow ({name}) failed (exit {rc}); log {log}:\n{tail}")
     ends: dict[int, float] = {}

@@ -33,13 +33,13 @@ from dataclasses import replace
 import torch
 from shapes import QWEN25, TINY, endless_model, sync  # bench/shapes.py: bench/ is sys.path[0] when a script runs
 
-from engine.agents.env import Step
-from engine.agents.episodes import run_episodes
-from engine.agents.tools import PARSERS, Tool, ToolCall
-from engine.data.prompts import Prompt
-from engine.rollout.base import Feed, SamplingParams
-from engine.rollout.model import NativeCausalLM
-from engine.rollout.native import NativeRollout
+from rlflow.engine.agents.env import Step
+from rlflow.engine.agents.episodes import run_episodes
+from rlflow.engine.agents.tools import PARSERS, Tool, ToolCall
+from rlflow.engine.data.prompts import Prompt
+from rlflow.engine.rollout.base import Feed, SamplingParams
+from rlflow.engine.rollout.model import NativeCausalLM
+from rlflow.engine.rollout.native import NativeRollout
 
 SHAPES = {**QWEN25, "tiny": TINY}
 MODES = ("overlapped", "turn-by-turn")  # calls while the others generate (the native default), or between turns

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from shapes import QWEN25  # bench/shapes.py (bench/ is sys.path[0])
 from triton.testing import do_bench
 
-from engine.rollout import fp8
+from rlflow.engine.rollout import fp8
 
 
 def times_us(rows: int, n: int, k: int) -> list[float]:

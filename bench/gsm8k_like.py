@@ -68,7 +68,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
-    from engine.data.task import build_tokenizer
+    from rlflow.engine.data.task import build_tokenizer
 
     tok = build_tokenizer(CHARS)
     shape = {**(TINY if args.shape == "tiny" else QWEN25[args.shape]), "vocab_size": len(tok)}

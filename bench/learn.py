@@ -6,7 +6,7 @@
 
 Builds a random-weight Qwen2-architecture model of the given width and depth over the embedded
 task's character tokenizer (`engine.data.task.build_model`), then runs the real job
-(`python -m pipelines.cli train`: the supervised warm start, then GRPO with the hybrid engine:
+(`python -m rlflow.pipelines.cli train`: the supervised warm start, then GRPO with the hybrid engine:
 FSDP2 over `--gpus` ranks, native generation with TP `--tp`), and prints from MLflow the held-out
 greedy accuracy at every validation, the median step time with its generation and update parts,
 tokens/s/GPU, and the peak memory per phase. bf16 on GPUs, fp32 on CPU. The run's directory (log,
@@ -43,13 +43,13 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="run directory (default: a new temporary one)")
     ap.add_argument("overrides", nargs="*", help="more key=value config overrides")
     args = ap.parse_args()
-    from engine.data.task import build_model
+    from rlflow.engine.data.task import build_model
 
     work = Path(args.work or tempfile.mkdtemp(prefix="rlflow-learn-"))
     model = build_model(work / "model", hidden=args.hidden, layers=args.layers)
     cuda = args.gpus > 0
     dtype = "bfloat16" if cuda else "float32"
-    cmd = [sys.executable, "-m", "pipelines.cli", "train", f"model.path={model}", f"model.dtype={dtype}",
+    cmd = [sys.executable, "-m", "rlflow.pipelines.cli", "train", f"model.path={model}", f"model.dtype={dtype}",
            f"rollout.dtype={dtype}", f"placement.workers={max(1, args.gpus)}",
            f"placement.gpus_per_worker={1 if cuda else 0}", f"rollout.tp={args.tp}",
            f"warmstart.steps={args.warmstart}", f"warmstart.lr={args.warmstart_lr}", f"actor.lr={args.lr}",

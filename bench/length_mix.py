@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "RLFLOW_BENCH_LENGTH_MIX"  # the mix, as JSON, for the job's processes
-PATCHED = "engine.rollout.native"
+PATCHED = "rlflow.engine.rollout.native"
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ SHAPES = {**QWEN25, "tiny": TINY, "deep": dict(TINY, num_hidden_layers=28)}
 
 
 def peak_gb(device: str) -> float:
-    from engine.rollout import vmm
+    from rlflow.engine.rollout import vmm
 
     return vmm.peak_bytes() / 2**30 if device == "cuda" else 0.0
 
@@ -69,7 +69,7 @@ def alltoall_gbps(nbytes: int, device: str) -> float:
 
 def one_train_step(engine: Any, vocab: int) -> None:
     """A small real update, so AdamW's state exists (as it does after the first RL step)."""
-    from engine.train.fsdp import forward_logprobs
+    from rlflow.engine.train.fsdp import forward_logprobs
 
     ids = torch.randint(0, vocab, (4, 64))
     ones = torch.ones_like(ids)
@@ -90,10 +90,10 @@ def host_gbps(nbytes: int, device: str) -> float:
 
 def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_peak: float, tok: Any) -> None:
     """Switch times, floors and reload baseline for one generation TP layout; rank 0 prints them."""
-    from engine.reshard import Resharder
-    from engine.rollout.base import SamplingParams
-    from engine.rollout.model import NativeCausalLM
-    from engine.rollout.native import NativeRollout
+    from rlflow.engine.reshard import Resharder
+    from rlflow.engine.rollout.base import SamplingParams
+    from rlflow.engine.rollout.model import NativeCausalLM
+    from rlflow.engine.rollout.native import NativeRollout
 
     device, rank = args.device, dist.get_rank()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -173,8 +173,8 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, path: str) -> None:
     from transformers import AutoTokenizer
 
-    from engine.rollout.model import TP
-    from engine.train.fsdp import TrainEngine
+    from rlflow.engine.rollout.model import TP
+    from rlflow.engine.train.fsdp import TrainEngine
 
     device = args.device
     if device == "cuda":

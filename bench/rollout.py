@@ -48,13 +48,13 @@ from length_mix import Mix, answer_length, patch_native, prompt_lengths
 from shapes import QWEN25, TINY, copy_tbps, endless_model, matmul_tflops, sync  # bench/shapes.py, on sys.path
 from transformers import Qwen2Config
 
-from engine.rollout import fp8
-from engine.rollout import native as native_module
-from engine.rollout.base import HFRollout, Request, SamplingParams
-from engine.rollout.model import NativeCausalLM
-from engine.rollout.native import NativeRollout
-from engine.tensors import left_pad
-from engine.train.fsdp import response_logprobs
+from rlflow.engine.rollout import fp8
+from rlflow.engine.rollout import native as native_module
+from rlflow.engine.rollout.base import HFRollout, Request, SamplingParams
+from rlflow.engine.rollout.model import NativeCausalLM
+from rlflow.engine.rollout.native import NativeRollout
+from rlflow.engine.tensors import left_pad
+from rlflow.engine.train.fsdp import response_logprobs
 
 SHAPES = {**QWEN25, "tiny": TINY}  # tiny: a CPU smoke run
 

@@ -4,7 +4,7 @@
     python bench/scale.py --shape tiny --gpus 0 --prompts 4 --samples 2 --prompt-len 16 --new 8 --steps 3 \
         --warmup 1 --mini-batches 2   # CPU smoke
 
-For each GPU count, the real job (`python -m pipelines.cli train`: Ray, compiled DAG, MLflow) on
+For each GPU count, the real job (`python -m rlflow.pipelines.cli train`: Ray, compiled DAG, MLflow) on
 the same random-weight model and prompts as `bench/e2e.py` (every prompt `--prompt-len` tokens,
 every completion `--new` tokens: EOS is never sampled), with what a GRPO run does on a big model:
 FSDP2 over all GPUs, generation tensor parallel over `--tp` GPUs, a KL loss against the reference
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace, gpus: int, model: Path, train: Path, val: Path
           + " ".join(args.overrides), flush=True)
     uri = e2e.tracking_uri(work)
     env = e2e.child_env(MLFLOW_TRACKING_URI=uri, MLFLOW_ALLOW_FILE_STORE="true")
-    rc, tail = e2e.run_logged([sys.executable, "-m", "pipelines.cli", "train", str(conf), *args.overrides],
+    rc, tail = e2e.run_logged([sys.executable, "-m", "rlflow.pipelines.cli", "train", str(conf), *args.overrides],
                               work / "rlflow.log", env)
     if rc:  # e.g. a 7B run's final checkpoint (~90 GB) and MLflow's copy filled the disk
         print(f"  the job failed (exit {rc}); the steps it logged are read all the same. Log "

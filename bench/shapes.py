@@ -31,7 +31,7 @@ def endless_model(shape: dict, device: str, dtype: torch.dtype):
     the same work."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from engine.data.task import build_tokenizer
+    from rlflow.engine.data.task import build_tokenizer
 
     tok = build_tokenizer()
     tok.eos_token = None
@@ -86,7 +86,7 @@ def matmul_tflops(fp8: bool = False, n: int = 8192, device: str = "cuda") -> flo
     (engine/rollout/fp8.py); median of 5."""
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     if fp8:
-        from engine.rollout.fp8 import FAST_ACCUM, FP8
+        from rlflow.engine.rollout.fp8 import FAST_ACCUM, FP8
         a8, b8 = a.to(FP8), b.to(FP8).t()  # the second operand column-major, as a weight's transpose
         rows, cols = torch.ones(n, 1, device=device), torch.ones(1, n, device=device)
 
@@ -110,7 +110,7 @@ def model_dir(name: str, shape: dict, cache: Path) -> Path:
     once per name and shape (benches name different shapes alike, e.g. "tiny")."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from engine.data.task import build_tokenizer
+    from rlflow.engine.data.task import build_tokenizer
 
     path = cache / f"{name}-{hashlib.sha1(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:8]}"
     if (path / "config.json").is_file():

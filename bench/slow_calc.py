@@ -6,8 +6,8 @@ import os
 import time
 from dataclasses import replace
 
-from engine.agents.calc import Calculator
-from engine.agents.tools import CALCULATOR
+from rlflow.engine.agents.calc import Calculator
+from rlflow.engine.agents.tools import CALCULATOR
 
 
 def slow_calculate(expression: str) -> str:

@@ -3,7 +3,7 @@
     python bench/soak.py                                  # 1,000 steps on the CPU
     python bench/soak.py --steps 60 --every 10 --base 10 warmstart.steps=200 warmstart.stop_accuracy=0   # a quick look
 
-Runs the real job (`python -m pipelines.cli train`, the embedded default on the CPU, with a
+Runs the real job (`python -m rlflow.pipelines.cli train`, the embedded default on the CPU, with a
 checkpoint every `--save-every` steps and validation every `--val-every`; further `key=value`
 arguments go to it) in `--work`. Every `--every` steps, read from the run's MLflow store, it
 samples the unique memory (USS: the pages only that process holds; RSS would count the Ray object
@@ -93,7 +93,7 @@ def main() -> None:
     db, artifacts = args.work / "mlflow.db", args.work / "mlruns"  # a sqlite store's default artifact root
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{db.resolve()}",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    cmd = [sys.executable, "-m", "pipelines.cli", "train", f"trainer.total_steps={args.steps}",
+    cmd = [sys.executable, "-m", "rlflow.pipelines.cli", "train", f"trainer.total_steps={args.steps}",
            f"trainer.save_every={args.save_every}", f"trainer.val_every={args.val_every}",
            f"trainer.output_dir={(args.work / 'out').resolve()}", "trainer.progress=false", *args.overrides]
     print("$", " ".join(cmd), flush=True)

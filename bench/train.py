@@ -49,9 +49,9 @@ import torch.multiprocessing as mp
 from shapes import QWEN25, free_port, model_dir, profile, timed  # bench/shapes.py: bench/ is sys.path[0] here
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import algos
-from engine.train.batching import micro_batches
-from engine.train.fsdp import TrainEngine, attn_implementation, forward_logprobs
+from rlflow.engine import algos
+from rlflow.engine.train.batching import micro_batches
+from rlflow.engine.train.fsdp import TrainEngine, attn_implementation, forward_logprobs
 
 SHAPES = {**QWEN25, "tiny": dict(  # tiny: a CPU smoke run
     hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,

@@ -20,8 +20,8 @@ import pandas as pd
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.data.task import compute_score
-from engine.tensors import left_pad
+from rlflow.engine.data.task import compute_score
+from rlflow.engine.tensors import left_pad
 
 
 def group(problem: str) -> str:

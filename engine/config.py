@@ -6,7 +6,7 @@ YAML scalars and checked against the field's type; `key=` with no value changes 
 
 Invariants:
 - an unknown key is an error that names the closest valid key;
-- every key has a one-line meaning (its field comment), rendered in docs/config.md by `python -m engine.config`;
+- every key has a one-line meaning (its field comment), rendered in docs/config.md by `python -m rlflow.engine.config`;
 - the algorithm switches accept exactly the names engine/algos.py dispatches on (its tuples);
 - `algorithm.name` is derived, never a switch: the command picks the job (rl, sft, dpo), an RL run's label
   follows its settings (`run_label`); a value that contradicts them is an error;
@@ -28,7 +28,14 @@ from typing import Any
 
 import yaml
 
-from engine.algos import ADVANTAGES, GROUP_ESTIMATORS, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
+from rlflow.engine.algos import (
+    ADVANTAGES,
+    GROUP_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGS,
+    POLICY_LOSSES,
+    ROLLOUT_CORRECTIONS,
+)
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
 EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL or DPO: at most this many steps ...
@@ -592,4 +599,4 @@ def reference_markdown() -> str:
 
 if __name__ == "__main__":
     print("# Configuration reference\n\nGenerated from `engine/config.py` by "
-          "`python -m engine.config`; a test keeps it in sync.\n\n" + reference_markdown(), end="")
+          "`python -m rlflow.engine.config`; a test keeps it in sync.\n\n" + reference_markdown(), end="")

@@ -60,10 +60,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from engine.rollout import fp8
-from engine.rollout.model import Cut, NativeCausalLM
-from engine.tensors import tcp_store
-from engine.train import lora
+from rlflow.engine.rollout import fp8
+from rlflow.engine.rollout.model import Cut, NativeCausalLM
+from rlflow.engine.tensors import tcp_store
+from rlflow.engine.train import lora
 
 BUCKET_BYTES = 256 * 2**20  # of rollout-dtype weights per all_to_all
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.rollout import vmm
+from rlflow.engine.rollout import vmm
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -281,7 +281,7 @@ class Tracker:
         import pandas as pd
         from mlflow.data.pandas_dataset import from_pandas
 
-        from engine.data.prompts import read_rows
+        from rlflow.engine.data.prompts import read_rows
 
         inputs = []
         for context, paths in files.items():

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from engine import checkpoint
-from engine.config import EMBEDDED, Config, ConfigError, load_config, to_dict
-from engine.tracking import Tracker
+from rlflow.engine import checkpoint
+from rlflow.engine.config import EMBEDDED, Config, ConfigError, load_config, to_dict
+from rlflow.engine.tracking import Tracker
 
 # Progress bars of datasets, transformers and huggingface_hub, here and in the Ray workers of a
 # local cluster (they inherit this environment; conf/ray/runtime_env.yaml sets them on a cluster).
@@ -92,8 +92,8 @@ def resolve_files(cfg: Config) -> dict[str, list[str]]:
     """{"train": [...], "val": [...]} data files, building the embedded ones on first use
     (preference pairs for DPO; with the embedded agent task's environment, its problems and, under
     "demos", the demonstrations its warm start learns from; prompts otherwise)."""
-    from engine.agents import calc
-    from engine.data.prompts import embedded_files, embedded_pair_files
+    from rlflow.engine.agents import calc
+    from rlflow.engine.data.prompts import embedded_files, embedded_pair_files
 
     root = Path(cfg.trainer.output_dir) / "embedded"
     build = embedded_pair_files if cfg.algorithm.name == "dpo" else \
@@ -108,7 +108,7 @@ def resolve_files(cfg: Config) -> dict[str, list[str]]:
 
 def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
     """The model directory and data files, building the embedded ones on first use."""
-    from engine.data.task import build_model
+    from rlflow.engine.data.task import build_model
 
     model = cfg.model.path
     if model == EMBEDDED:
@@ -137,9 +137,9 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from engine.agents.env import check_environment
-    from engine.data.prompts import FORMATS
-    from engine.data.rewards import load_function
+    from rlflow.engine.agents.env import check_environment
+    from rlflow.engine.data.prompts import FORMATS
+    from rlflow.engine.data.rewards import load_function
 
     if model and cfg.model.path != EMBEDDED:
         _check_model_dir("model.path", cfg.model.path)
@@ -203,7 +203,7 @@ def check_lora(cfg: Config, model_path: str) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.train import lora
+    from rlflow.engine.train import lora
 
     a = cfg.actor
     trained = 0
@@ -256,7 +256,7 @@ def check_disk(cfg: Config, model_path: str, tracker: Tracker, adapters: int = 0
 
 
 def train(cfg: Config) -> dict[str, str]:
-    from pipelines import dpo, driver, grpo, sft
+    from rlflow.pipelines import dpo, driver, grpo, sft
 
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_path, files = resolve_inputs(cfg)
@@ -328,7 +328,7 @@ def export(source: str, dest: str) -> Path:
     checkpoint's is the merged model, with the PEFT adapter in `adapter/` (as a run's final export)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.train import lora
+    from rlflow.engine.train import lora
 
     path = find_model(source)
     if lora.adapter_rank(path):
@@ -373,7 +373,7 @@ def eval_files(model_dir: Path, cfg: Config) -> list[str]:
 
 def run_eval(source: str, cfg: Config) -> dict[str, float]:
     """`rlflow eval`: score a model on `data.val_files` in its own tracked run; prints a summary."""
-    from pipelines.eval import evaluate
+    from rlflow.pipelines.eval import evaluate
 
     model_dir = find_model(source)
     files = eval_files(model_dir, cfg)
@@ -428,9 +428,9 @@ def package_version() -> str:
 def one_line(e: BaseException, command: str) -> tuple[str, int] | None:
     """(the line, the exit code) an error the user can act on ends a command with, instead of a
     traceback; None for any other error."""
-    from engine.data.prompts import DataError  # imports datasets: after quiet_libraries
-    from engine.data.rewards import RewardError
-    from pipelines import driver
+    from rlflow.engine.data.prompts import DataError  # imports datasets: after quiet_libraries
+    from rlflow.engine.data.rewards import RewardError
+    from rlflow.pipelines import driver
 
     if isinstance(e, ConfigError):  # found once the inputs are read (LoRA against the model, a checkpoint)
         return f"rlflow: config error: {e}", 2
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     loopback_only()
     if ns.command == "data":
-        from engine.data.convert import convert
+        from rlflow.engine.data.convert import convert
 
         try:
             counts = convert(ns.src, ns.dst, ns.format, ns.data_source, ns.instruction, ns.split)

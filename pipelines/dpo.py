@@ -34,16 +34,16 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.batch import Batch, Update
-from engine.config import Config, override
-from engine.data.prompts import Example, Pair, Prompt, PromptLoader, load_pairs, pairs_batch
-from engine.tracking import Tracker
-from engine.train.losses import Preference
-from pipelines import driver
-from pipelines.runtime import SUBMIT, Stages, launch, wait
-from pipelines.sft import DEV_PROMPTS, hold_out, supervised
-from stages.policy import Policy
-from stages.reference import Reference
+from rlflow.engine.batch import Batch, Update
+from rlflow.engine.config import Config, override
+from rlflow.engine.data.prompts import Example, Pair, Prompt, PromptLoader, load_pairs, pairs_batch
+from rlflow.engine.tracking import Tracker
+from rlflow.engine.train.losses import Preference
+from rlflow.pipelines import driver
+from rlflow.pipelines.runtime import SUBMIT, Stages, launch, wait
+from rlflow.pipelines.sft import DEV_PROMPTS, hold_out, supervised
+from rlflow.stages.policy import Policy
+from rlflow.stages.reference import Reference
 
 
 def step_graph(stages: Stages, inputs: list[Any], loss: Preference, held_out: bool = False) -> tuple[list[Any],

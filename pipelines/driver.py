@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from engine import checkpoint
-from engine.config import Config, to_dict
-from engine.data.prompts import PromptLoader
-from engine.tracking import Tracker
-from pipelines.runtime import WORKER_LOST, Runner, Stages, how_lost
-from stages.policy import Policy
+from rlflow.engine import checkpoint
+from rlflow.engine.config import Config, to_dict
+from rlflow.engine.data.prompts import PromptLoader
+from rlflow.engine.tracking import Tracker
+from rlflow.pipelines.runtime import WORKER_LOST, Runner, Stages, how_lost
+from rlflow.stages.policy import Policy
 
 
 class Algorithm(Protocol):

@@ -26,13 +26,13 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from engine.agents.env import offered_tools
-from engine.batch import Batch
-from engine.config import Config
-from engine.data.prompts import load_prompts
-from engine.tracking import Tracker
-from pipelines.grpo import rollout, summarise
-from pipelines.runtime import WORKER_LOST, how_lost, launch_scoring
+from rlflow.engine.agents.env import offered_tools
+from rlflow.engine.batch import Batch
+from rlflow.engine.config import Config
+from rlflow.engine.data.prompts import load_prompts
+from rlflow.engine.tracking import Tracker
+from rlflow.pipelines.grpo import rollout, summarise
+from rlflow.pipelines.runtime import WORKER_LOST, how_lost, launch_scoring
 
 
 def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[list[Batch], list[Batch]]:

@@ -48,16 +48,16 @@ import ray
 import torch
 from transformers import AutoTokenizer
 
-from engine import algos
-from engine.agents.env import offered_tools
-from engine.batch import Batch, RolloutRequest, Update
-from engine.config import Config
-from engine.data.prompts import Prompt, PromptLoader, load_prompts
-from engine.tracking import Tracker
-from engine.train.batching import balance
-from engine.train.losses import PolicyGradient
-from pipelines import driver
-from pipelines.runtime import (
+from rlflow.engine import algos
+from rlflow.engine.agents.env import offered_tools
+from rlflow.engine.batch import Batch, RolloutRequest, Update
+from rlflow.engine.config import Config
+from rlflow.engine.data.prompts import Prompt, PromptLoader, load_prompts
+from rlflow.engine.tracking import Tracker
+from rlflow.engine.train.batching import balance
+from rlflow.engine.train.losses import PolicyGradient
+from rlflow.pipelines import driver
+from rlflow.pipelines.runtime import (
     SUBMIT,
     WORKER_LOST,
     Generator,
@@ -70,11 +70,11 @@ from pipelines.runtime import (
     settle,
     wait,
 )
-from stages.advantage import Advantage
-from stages.critic import Critic
-from stages.policy import Policy
-from stages.reference import Reference
-from stages.reward import Reward
+from rlflow.stages.advantage import Advantage
+from rlflow.stages.critic import Critic
+from rlflow.stages.policy import Policy
+from rlflow.stages.reference import Reference
+from rlflow.stages.reward import Reward
 
 
 def step_graph(stages: Stages, inputs: list[Any], loss: PolicyGradient, sampled: bool = False,

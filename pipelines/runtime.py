@@ -34,17 +34,17 @@ from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import ray
 
-from engine.batch import Batch, RolloutRequest
-from engine.config import Config
-from engine.placement import Pool
-from stages.advantage import Advantage
-from stages.critic import Critic
-from stages.hybrid import HybridPolicy
-from stages.policy import Policy, PolicySender
-from stages.reference import Reference
-from stages.reward import Reward
-from stages.rollout import Rollout
-from stages.worker import StageWorker
+from rlflow.engine.batch import Batch, RolloutRequest
+from rlflow.engine.config import Config
+from rlflow.engine.placement import Pool
+from rlflow.stages.advantage import Advantage
+from rlflow.stages.critic import Critic
+from rlflow.stages.hybrid import HybridPolicy
+from rlflow.stages.policy import Policy, PolicySender
+from rlflow.stages.reference import Reference
+from rlflow.stages.reward import Reward
+from rlflow.stages.rollout import Rollout
+from rlflow.stages.worker import StageWorker
 
 P = ParamSpec("P")
 R = TypeVar("R")

@@ -42,15 +42,15 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from engine.agents.env import offered_tools
-from engine.batch import Batch, Update
-from engine.config import Config, ConfigError, override
-from engine.data.prompts import Example, Prompt, PromptLoader, examples_batch, load_examples, load_prompts
-from engine.tracking import Tracker
-from engine.train.losses import Supervised
-from pipelines import driver, grpo
-from pipelines.runtime import SUBMIT, Runner, Stages, launch, wait
-from stages.policy import Policy
+from rlflow.engine.agents.env import offered_tools
+from rlflow.engine.batch import Batch, Update
+from rlflow.engine.config import Config, ConfigError, override
+from rlflow.engine.data.prompts import Example, Prompt, PromptLoader, examples_batch, load_examples, load_prompts
+from rlflow.engine.tracking import Tracker
+from rlflow.engine.train.losses import Supervised
+from rlflow.pipelines import driver, grpo
+from rlflow.pipelines.runtime import SUBMIT, Runner, Stages, launch, wait
+from rlflow.stages.policy import Policy
 
 
 def step_graph(stages: Stages, inputs: list[Any], loss: Supervised) -> tuple[list[Any], list[Any]]:

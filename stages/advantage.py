@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from engine import algos
-from engine.batch import Batch
-from engine.config import Config
+from rlflow.engine import algos
+from rlflow.engine.batch import Batch
+from rlflow.engine.config import Config
 
 
 class Advantage:

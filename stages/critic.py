@@ -36,12 +36,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForTokenClassification
 
-from engine import algos
-from engine.batch import Batch
-from engine.config import Config
-from engine.tensors import to_device
-from engine.train.batching import micro_batches
-from engine.train.fsdp import (
+from rlflow.engine import algos
+from rlflow.engine.batch import Batch
+from rlflow.engine.config import Config
+from rlflow.engine.tensors import to_device
+from rlflow.engine.train.batching import micro_batches
+from rlflow.engine.train.fsdp import (
     TrainEngine,
     all_reduce_sum,
     in_step,

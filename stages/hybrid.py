@@ -20,12 +20,12 @@ import time
 
 import torch
 
-from engine.batch import Batch, RolloutRequest, Update
-from engine.config import Config
-from engine.reshard import weight_sync
-from engine.train.losses import Loss
-from stages.policy import Policy
-from stages.rollout import Rollout
+from rlflow.engine.batch import Batch, RolloutRequest, Update
+from rlflow.engine.config import Config
+from rlflow.engine.reshard import weight_sync
+from rlflow.engine.train.losses import Loss
+from rlflow.stages.policy import Policy
+from rlflow.stages.rollout import Rollout
 
 
 class HybridPolicy(Policy):

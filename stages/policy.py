@@ -34,15 +34,15 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from engine import algos
-from engine.batch import Batch, Update
-from engine.config import Config
-from engine.reshard import WeightBroadcast, full_tensors, push_weights, weight_shapes
-from engine.rollout.build import weights_dtype
-from engine.tensors import peak_memory
-from engine.train import lora
-from engine.train.fsdp import TrainEngine, response_logprobs
-from engine.train.losses import Evaluated, Loss, sp_members
+from rlflow.engine import algos
+from rlflow.engine.batch import Batch, Update
+from rlflow.engine.config import Config
+from rlflow.engine.reshard import WeightBroadcast, full_tensors, push_weights, weight_shapes
+from rlflow.engine.rollout.build import weights_dtype
+from rlflow.engine.tensors import peak_memory
+from rlflow.engine.train import lora
+from rlflow.engine.train.fsdp import TrainEngine, response_logprobs
+from rlflow.engine.train.losses import Evaluated, Loss, sp_members
 
 
 class Policy:

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.batch import Batch
-from engine.config import Config
-from engine.tensors import peak_memory
-from engine.train.fsdp import DTYPES, attn_implementation, response_logprobs
+from rlflow.engine.batch import Batch
+from rlflow.engine.config import Config
+from rlflow.engine.tensors import peak_memory
+from rlflow.engine.train.fsdp import DTYPES, attn_implementation, response_logprobs
 
 
 class Reference:

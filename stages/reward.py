@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from engine.batch import Batch
-from engine.config import Config
-from engine.data.reward_model import RewardModel
-from engine.data.rewards import RewardFunction
+from rlflow.engine.batch import Batch
+from rlflow.engine.config import Config
+from rlflow.engine.data.reward_model import RewardModel
+from rlflow.engine.data.rewards import RewardFunction
 
 
 class Reward:

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 import torch
 
-from engine.tensors import tcp_store
+from rlflow.engine.tensors import tcp_store
 
 
 class StageWorker:

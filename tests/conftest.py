@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.data import task
+from rlflow.engine.data import task
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,8 +28,8 @@ def model_dir(tmp_path_factory) -> Path:
 def trainer_logprobs(model, prompts: list[list[int]], n: int, completions: list, pad_id: int,
                      temperature: float) -> torch.Tensor:
     """What the trainer recomputes for rollout `completions` (n per prompt, in order): [N, R]."""
-    from engine.tensors import left_pad
-    from engine.train.fsdp import response_logprobs
+    from rlflow.engine.tensors import left_pad
+    from rlflow.engine.train.fsdp import response_logprobs
 
     pids, pmask = left_pad([p for p in prompts for _ in range(n)], pad_id)
     width = max(len(c.token_ids) for c in completions)

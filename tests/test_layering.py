@@ -1,5 +1,6 @@
-"""Imports only point down: pipelines -> stages -> engine, and no project modules import each other
-in a circle."""
+"""Imports only point down: pipelines -> stages -> engine, no project modules import each other in a
+circle, and everything imports the project as `rlflow.*`: a bare `engine`, `stages` or `pipelines` would
+load a second copy from the repo root, or a user's own folder of that name."""
 
 import ast
 from pathlib import Path
@@ -11,14 +12,31 @@ FORBIDDEN = {"engine": {"stages", "pipelines"}, "stages": {"pipelines"}}
 PROJECT = ("engine", "stages", "pipelines")
 
 
+def _package(module: str) -> str:
+    """The top-level package of a module, or the layer for rlflow's own (`rlflow.engine.x` -> engine)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rlflow" and len(parts) > 1 else parts[0]
+
+
 def imported_packages(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {_package(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(_package(node.module))
     return names
+
+
+def test_the_project_is_imported_as_rlflow_only():
+    bare = {str(p.relative_to(ROOT)): sorted({f"{n.module}" for n in ast.walk(ast.parse(p.read_text()))
+                                             if isinstance(n, ast.ImportFrom) and n.module and n.level == 0
+                                             and n.module.split(".")[0] in PROJECT}
+                                            | {a.name for n in ast.walk(ast.parse(p.read_text()))
+                                               if isinstance(n, ast.Import) for a in n.names
+                                               if a.name.split(".")[0] in PROJECT})
+            for top in (*PROJECT, "tests", "bench", "docs") for p in (ROOT / top).rglob("*.py")}
+    assert {k: v for k, v in bare.items() if v} == {}
 
 
 @pytest.mark.parametrize("layer", sorted(FORBIDDEN))
@@ -37,7 +55,7 @@ def project_modules() -> dict[str, Path]:
     for top in PROJECT:
         for p in (ROOT / top).rglob("*.py"):
             parts = p.relative_to(ROOT).with_suffix("").parts
-            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+            mods[".".join(("rlflow", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = p
     return mods
 
 
@@ -88,7 +106,7 @@ def test_no_stage_defines_more_than_six_verbs_of_its_own():
 
     stages = []
     for path in sorted((ROOT / "stages").glob("*.py")):
-        module = importlib.import_module(f"stages.{path.stem}")
+        module = importlib.import_module(f"rlflow.stages.{path.stem}")
         stages += [c for _, c in inspect.getmembers(module, inspect.isclass)
                    if c.__module__ == module.__name__ and not issubclass(c, nn.Module)]
     assert {c.__name__ for c in stages} >= {"Policy", "HybridPolicy", "Rollout", "Reward", "Critic", "Advantage"}

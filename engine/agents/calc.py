@@ -4,7 +4,7 @@ A ~1M-parameter model cannot multiply two 3-digit numbers, but it can learn to a
 is the problem ("417*382="), a call in the compact form (`<<calc:417*382>>`), the tool's result
 (`[159294]`, an observation: not trained on) and the answer copied from it. The environment scores
 the answer exactly. With the embedded model and tokenizer (engine/data/task.py, whose chat
-template names the offered tools and brackets a tool's result), `rollout.env=engine.agents.calc:Calculator`
+template names the offered tools and brackets a tool's result), `rollout.env=rlflow.engine.agents.calc:Calculator`
 makes `embedded` data this task: train and validation problems (disjoint) and 256
 demonstrations on training problems, which the warm start learns from. The demonstrations are a
 careless demonstrator's: each calls the tool right, but three in four copy its result with one
@@ -21,12 +21,12 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from engine.agents.env import Step
-from engine.agents.tools import CALCULATOR
-from engine.data import task
+from rlflow.engine.agents.env import Step
+from rlflow.engine.agents.tools import CALCULATOR
+from rlflow.engine.data import task
 
 DATA_SOURCE = "calc"
-ENV = "engine.agents.calc:Calculator"
+ENV = "rlflow.engine.agents.calc:Calculator"
 DEMOS = 256
 
 

@@ -47,7 +47,7 @@ class Step:
 
 def check_environment(env_class: Any) -> None:
     """Raise ValueError naming what in an environment class's tools or parser cannot work."""
-    from engine.agents.tools import PARSERS, Tool
+    from rlflow.engine.agents.tools import PARSERS, Tool
 
     tools = getattr(env_class, "tools", []) or []
     bad = [t for t in tools if not isinstance(t, Tool)]
@@ -66,7 +66,7 @@ def offered_tools(spec: str) -> list[dict] | None:
     environment or no tools): what the chat template renders into its prompts."""
     if not spec:
         return None
-    from engine.data.rewards import load_function
+    from rlflow.engine.data.rewards import load_function
 
     return [tool.schema() for tool in getattr(load_function(spec, "environment"), "tools", [])] or None
 

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
-from engine.agents.env import Step, as_step, call_all
-from engine.agents.tools import PARSERS, Tool, ToolResult, run_call
-from engine.rollout.base import Completion, Request, RolloutEngine, SamplingParams
+from rlflow.engine.agents.env import Step, as_step, call_all
+from rlflow.engine.agents.tools import PARSERS, Tool, ToolResult, run_call
+from rlflow.engine.rollout.base import Completion, Request, RolloutEngine, SamplingParams
 
 log = logging.getLogger("rlflow.agents")
 

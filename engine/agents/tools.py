@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.data.sandbox import resolve_isolation, run_python
+from rlflow.engine.data.sandbox import resolve_isolation, run_python
 
 
 @dataclass

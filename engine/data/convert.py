@@ -34,7 +34,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from engine.data.rewards import last_boxed
+from rlflow.engine.data.rewards import last_boxed
 
 log = logging.getLogger("rlflow.convert")
 FORMATS = ("gsm8k", "math")

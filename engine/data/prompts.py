@@ -31,8 +31,8 @@ from typing import Any, Generic, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from engine.batch import Batch
-from engine.data import task
+from rlflow.engine.batch import Batch
+from rlflow.engine.data import task
 
 log = logging.getLogger("rlflow.data")
 FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
@@ -279,7 +279,7 @@ def _demonstration(tokenizer: Any, prompt: list[dict], turns: list[dict], tools:
                    max_prompt_tokens: int, max_response_tokens: int) -> Example:
     """A multi-turn example as an episode holds it (engine/agents/episodes.py): each assistant turn
     its content's tokens and eos, trained; the turns between, rendered as observations, not."""
-    from engine.agents.episodes import Renderer
+    from rlflow.engine.agents.episodes import Renderer
 
     render = Renderer(tokenizer, tools)
     ids: list[int] = []

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from engine.tensors import left_pad
-from engine.train.batching import micro_batches
-from engine.train.fsdp import DTYPES
+from rlflow.engine.tensors import left_pad
+from rlflow.engine.train.batching import micro_batches
+from rlflow.engine.train.fsdp import DTYPES
 
 
 class RewardModel:

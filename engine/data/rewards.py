@@ -35,8 +35,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from engine.data import task
-from engine.data.sandbox import run_python
+from rlflow.engine.data import task
+from rlflow.engine.data.sandbox import run_python
 
 log = logging.getLogger("rlflow.reward")
 

@@ -39,7 +39,7 @@ from io import BufferedRandom
 from pathlib import Path
 from typing import NamedTuple
 
-from engine.data import confine
+from rlflow.engine.data import confine
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
 MAX_FILE_BYTES = 16 * 1024**2

@@ -12,7 +12,7 @@ Invariants:
 - the same seed gives the same files, byte for byte in content;
 - the tokenizer is character-level over printable ASCII, so any prompt round-trips exactly.
 
-Run: `python -m engine.data.task OUT_DIR` writes `OUT_DIR/model` and `OUT_DIR/data/*.parquet`.
+Run: `python -m rlflow.engine.data.task OUT_DIR` writes `OUT_DIR/model` and `OUT_DIR/data/*.parquet`.
 """
 
 from __future__ import annotations

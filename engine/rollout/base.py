@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.tensors import left_pad
+from rlflow.engine.tensors import left_pad
 
 
 @dataclass
@@ -133,7 +133,7 @@ class HFRollout:
                   temperature: float) -> torch.Tensor:
         """Per-token logprobs [B*n, R] by one more forward over prompt + response: keeping
         generate's per-step logits would hold [B*n, R, vocab] floats (37 GB at 256 x 256 x 152k)."""
-        from engine.train.fsdp import response_logprobs
+        from rlflow.engine.train.fsdp import response_logprobs
 
         full = torch.cat([mask, torch.ones_like(tokens)], 1)
         vocab = self.model.config.vocab_size

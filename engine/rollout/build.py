@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from engine.rollout import fp8
-from engine.rollout.base import HFRollout, RolloutEngine
+from rlflow.engine.rollout import fp8
+from rlflow.engine.rollout.base import HFRollout, RolloutEngine
 
 
 def weights_dtype(dtype: str) -> torch.dtype:
@@ -37,14 +37,14 @@ def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, devi
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
         return HFRollout(model.to(device), tokenizer)
     if backend == "native":
-        from engine.rollout.model import NativeCausalLM
-        from engine.rollout.native import NativeRollout
+        from rlflow.engine.rollout.model import NativeCausalLM
+        from rlflow.engine.rollout.native import NativeRollout
 
         model = NativeCausalLM.from_pretrained(model_dir, torch_dtype, device, **({"tp": tp} if tp else {}))
         return NativeRollout(model, tokenizer,
                              max_slots=max_slots, max_len=max_len, memory_fraction=kv_cache_memory)
     if backend == "vllm":
-        from engine.rollout.vllm import VLLMRollout
+        from rlflow.engine.rollout.vllm import VLLMRollout
 
         return VLLMRollout(model_dir, tokenizer, max_len, torch_dtype)
     raise ValueError(f"unknown rollout.backend '{backend}'")

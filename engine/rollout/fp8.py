@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.rollout import kernels
+from rlflow.engine.rollout import kernels
 
 FP8 = torch.float8_e4m3fn
 WIRE = torch.bfloat16  # fp8 weights travel and are quantised from it; embeddings, norms, biases, lm_head stay in it

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.rollout import kernels
-from engine.rollout.base import SamplingParams
-from engine.rollout.model import KVCache, NativeCausalLM
-from engine.rollout.sampling import plain
+from rlflow.engine.rollout import kernels
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout.model import KVCache, NativeCausalLM
+from rlflow.engine.rollout.sampling import plain
 
 
 class DecodeGraphs:

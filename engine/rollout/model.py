@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from engine.rollout import fp8, kernels
-from engine.rollout.vmm import StableBuffer
-from engine.tensors import consecutive_group, fused
+from rlflow.engine.rollout import fp8, kernels
+from rlflow.engine.rollout.vmm import StableBuffer
+from rlflow.engine.tensors import consecutive_group, fused
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 # HF name piece -> (fused module name, shard id)

@@ -63,12 +63,12 @@ from typing import Any
 
 import torch
 
-from engine.rollout.base import Completion, Feed, Request, SamplingParams, limits_of, stop_ids
-from engine.rollout.graphs import DecodeGraphs, PrefillGraphs
-from engine.rollout.histories import Histories
-from engine.rollout.model import KVCache, NativeCausalLM, head_dim
-from engine.rollout.sampling import sample
-from engine.tensors import to_device
+from rlflow.engine.rollout.base import Completion, Feed, Request, SamplingParams, limits_of, stop_ids
+from rlflow.engine.rollout.graphs import DecodeGraphs, PrefillGraphs
+from rlflow.engine.rollout.histories import Histories
+from rlflow.engine.rollout.model import KVCache, NativeCausalLM, head_dim
+from rlflow.engine.rollout.sampling import sample
+from rlflow.engine.tensors import to_device
 
 
 @dataclass(slots=True)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.rollout import kernels
-from engine.rollout.base import SamplingParams
-from engine.tensors import fused
+from rlflow.engine.rollout import kernels
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.tensors import fused
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

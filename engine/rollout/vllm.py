@@ -40,7 +40,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from engine.rollout.base import Completion, SamplingParams, limits_of
+from rlflow.engine.rollout.base import Completion, SamplingParams, limits_of
 
 T = TypeVar("T")
 MAX_SEQS = 256  # sequences decoded at once; the CPU KV cache is sized for this many at max_len

@@ -56,13 +56,13 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
-from engine import algos
-from engine.checkpoint import load_shards
-from engine.tensors import consecutive_group, fused, to_device
-from engine.train import ulysses, varlen
-from engine.train.batching import micro_batches
-from engine.train.lora import LoraConfig, add_adapters
-from engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
+from rlflow.engine import algos
+from rlflow.engine.checkpoint import load_shards
+from rlflow.engine.tensors import consecutive_group, fused, to_device
+from rlflow.engine.train import ulysses, varlen
+from rlflow.engine.train.batching import micro_batches
+from rlflow.engine.train.lora import LoraConfig, add_adapters
+from rlflow.engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab

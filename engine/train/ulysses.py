@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.nn.functional import all_to_all_single
 from transformers import AttentionInterface
 
-from engine.train import varlen
+from rlflow.engine.train import varlen
 
 NAME = "ulysses"  # the attn_implementation of a model whose forwards run sequence-parallel
 

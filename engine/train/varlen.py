@@ -30,7 +30,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-from engine.tensors import to_device
+from rlflow.engine.tensors import to_device
 
 NAME = "varlen"
 KWARG = "varlen_sequences"  # a forward's keyword that hands every layer `sequences`, found before it (`given`)

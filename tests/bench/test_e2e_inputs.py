@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import e2e  # noqa: E402
 from e2e_reward import rlflow_score, trl_reward  # noqa: E402
 
-from engine.data.prompts import load_prompts  # noqa: E402
+from rlflow.engine.data.prompts import load_prompts  # noqa: E402
 
 
 def test_inputs_give_both_frameworks_the_same_full_length_prompts(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 from transformers import AutoConfig, AutoTokenizer
 
-from engine.data.rewards import gsm8k_score
+from rlflow.engine.data.rewards import gsm8k_score
 
 ROOT = Path(__file__).resolve().parents[2]
 

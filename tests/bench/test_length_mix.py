@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import length_mix  # noqa: E402
 
-from engine.rollout import native  # noqa: E402
-from engine.rollout.base import SamplingParams  # noqa: E402
+from rlflow.engine.rollout import native  # noqa: E402
+from rlflow.engine.rollout.base import SamplingParams  # noqa: E402
 
 MIX = length_mix.Mix(seed=3, new=12)
 
@@ -70,7 +70,7 @@ def test_native_engine_ends_each_sample_at_its_length(model_dir, monkeypatch):
 
 def test_the_hook_patches_the_engine_in_a_fresh_process(tmp_path):
     _, env = length_mix.hook_dir(tmp_path / "hook", MIX)
-    code = "import engine.rollout.native as n; print(n._Seq.__name__, n._Seq((1, 2), (0, 1), limit=99).limit)"
+    code = "import rlflow.engine.rollout.native as n; print(n._Seq.__name__, n._Seq((1, 2), (0, 1), limit=99).limit)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, **env, "PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(ROOT)})
     assert out.stdout.split() == ["Drawn", str(length_mix.answer_length(MIX, [1, 2], 1))]

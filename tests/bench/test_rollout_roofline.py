@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import rollout  # noqa: E402
 from shapes import QWEN25, TINY  # noqa: E402
 
-from engine.rollout.model import FusedLinear, NativeCausalLM, RowLinear  # noqa: E402
+from rlflow.engine.rollout.model import FusedLinear, NativeCausalLM, RowLinear  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [TINY, {**TINY, "tie_word_embeddings": False}, QWEN25["qwen2.5-1.5b"]])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import parse
+from rlflow.pipelines.cli import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

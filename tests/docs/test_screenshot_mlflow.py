@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from engine.tracking import Tracker
+from rlflow.engine.tracking import Tracker
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.skipif(shutil.which("chromium") is None, reason="needs the chromium binary"),

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine.algos import (
+from rlflow.engine.algos import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGES,
     KL_ESTIMATORS,
@@ -41,7 +41,7 @@ from engine.algos import (
     value_loss,
     varied_groups,
 )
-from engine.config import ActorConfig, AlgorithmConfig
+from rlflow.engine.config import ActorConfig, AlgorithmConfig
 
 
 def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:

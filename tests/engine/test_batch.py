@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import Batch
+from rlflow.engine.batch import Batch
 
 
 def _batch(prompts: list[list[int]], responses: list[list[int]], scores: list[float]) -> Batch:

@@ -1,7 +1,7 @@
 
 import pytest
 
-from engine import checkpoint
+from rlflow.engine import checkpoint
 
 
 def write(root, step, keep=3):
@@ -59,7 +59,7 @@ def test_optimizer_shards_load_plain_data_only(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from engine.checkpoint import load_shards
+    from rlflow.engine.checkpoint import load_shards
 
     dcp.save({"w": torch.ones(3), "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}, checkpoint_id=tmp_path / "ok")
     state = {"w": torch.zeros(3), "groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}  # the structure it was saved with

@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine import algos
-from engine.config import (
+from rlflow.engine import algos
+from rlflow.engine.config import (
     CHOICES,
     Config,
     ConfigError,
@@ -171,8 +171,8 @@ def _flat(d, prefix=""):
 def test_readme_config_reference_lists_every_key():
     text = (ROOT / "docs" / "config.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", text, re.M))
-    assert documented == set(all_keys()), "regenerate: python -m engine.config > docs/config.md"
-    assert reference_markdown() in text, "regenerate: python -m engine.config > docs/config.md"
+    assert documented == set(all_keys()), "regenerate: python -m rlflow.engine.config > docs/config.md"
+    assert reference_markdown() in text, "regenerate: python -m rlflow.engine.config > docs/config.md"
 
 
 def test_every_key_has_a_meaning_within_the_budget():
@@ -259,7 +259,7 @@ def test_the_embedded_rl_warm_start_stops_on_an_accuracy():
 def test_every_choice_is_named_in_its_keys_meaning():
     """docs/config.md reads a key's values off its comment: a name added to engine/algos.py (a new
     estimator, say) must be added there too, or the reference and `rlflow config` never show it."""
-    from engine.config import CHOICES, meanings
+    from rlflow.engine.config import CHOICES, meanings
 
     for key, allowed in CHOICES.items():
         text = meanings()[key]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.placement import plan
+from rlflow.engine.placement import plan
 
 CPU = {"CPU": 1.0}
 
@@ -44,7 +44,7 @@ def test_nodes_that_cannot_hold_the_pool_give_no_plan():
 
 LIVE = """
 import pytest, ray
-from engine.placement import Pool
+from rlflow.engine.placement import Pool
 
 class Rank:  # defined in __main__, so Ray ships it by value
     def __init__(self, rank, world, threads):

@@ -9,8 +9,16 @@ import torch.multiprocessing as mp
 from conftest import leave_group
 from transformers import AutoModelForCausalLM
 
-from engine.reshard import Resharder, WeightBroadcast, blocks_for, full_tensors, owned_rows, push_weights, weight_shapes
-from engine.rollout.model import TP, Cut, NativeCausalLM
+from rlflow.engine.reshard import (
+    Resharder,
+    WeightBroadcast,
+    blocks_for,
+    full_tensors,
+    owned_rows,
+    push_weights,
+    weight_shapes,
+)
+from rlflow.engine.rollout.model import TP, Cut, NativeCausalLM
 
 
 def test_blocks_cover_each_needed_row_once_from_its_owner():
@@ -142,7 +150,7 @@ def _split_worker(rank: int, ports: tuple[int, int], model_dir: str, backend: st
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoTokenizer
 
-    from engine.rollout.build import build_rollout
+    from rlflow.engine.rollout.build import build_rollout
 
     if device == "cuda":
         torch.cuda.set_device(rank)

@@ -22,8 +22,8 @@ from mlflow.exceptions import MlflowException
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH
 from transformers import AutoModelForCausalLM
 
-from engine import tracking
-from engine.tracking import Tracker, flatten, sanitise_name
+from rlflow.engine import tracking
+from rlflow.engine.tracking import Tracker, flatten, sanitise_name
 
 
 @pytest.fixture(autouse=True)
@@ -172,13 +172,13 @@ def test_outage_retries_at_most_once_per_interval_and_finish_tries_again(
 ) -> None:
     t = Tracker(tracking_uri=uri, system_metrics=False)
     t.client = down = DownClient()  # type: ignore[assignment]
-    with caplog.at_level(logging.WARNING, logger="engine.tracking"):
+    with caplog.at_level(logging.WARNING, logger="rlflow.engine.tracking"):
         for step in range(5):
             t.log_metrics({"actor/grad_norm": 1.0}, step)  # must not raise
         assert down.attempts == 1  # the other steps only buffer: each attempt can block on retries
         t.finish()
     assert down.attempts == 2
-    assert [r.levelname for r in caplog.records if r.name == "engine.tracking"] == ["WARNING"] * 2
+    assert [r.levelname for r in caplog.records if r.name == "rlflow.engine.tracking"] == ["WARNING"] * 2
 
 
 def test_attaches_to_mlflow_run_id_and_creates_no_second_run(
@@ -302,10 +302,10 @@ def test_outage_buffers_metrics_warns_once_and_flushes_after_restart(
     t.log_metrics({"actor/entropy": 0.0}, step=0)
 
     server.stop()
-    with caplog.at_level(logging.WARNING, logger="engine.tracking"):
+    with caplog.at_level(logging.WARNING, logger="rlflow.engine.tracking"):
         for step in range(1, 4):
             t.log_metrics({"actor/entropy": float(step)}, step)  # must not raise
-    assert len([r for r in caplog.records if r.name == "engine.tracking"]) == 1
+    assert len([r for r in caplog.records if r.name == "rlflow.engine.tracking"]) == 1
 
     server.launch()
     server.wait_healthy()

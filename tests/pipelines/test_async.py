@@ -44,7 +44,7 @@ import signal
 import time
 from pathlib import Path
 
-from engine.agents.env import Step
+from rlflow.engine.agents.env import Step
 
 HERE = Path(__file__).parent
 

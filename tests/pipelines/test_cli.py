@@ -56,15 +56,15 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
         ([f"trainer.resume={tmp}"], "no COMPLETE marker"),  # before the warm start, not after it
         (["rollout.env=nomod:Env"], "rollout.env=nomod:Env: cannot import environment module 'nomod'"),
         ([f"rollout.env={tmp / 'missing.py'}:Env"], "environment file not found"),
-        (["rollout.env=engine.agents.env:NoSuchEnv"], "has no 'NoSuchEnv'"),
+        (["rollout.env=rlflow.engine.agents.env:NoSuchEnv"], "has no 'NoSuchEnv'"),
         ([f"rollout.env={tmp / 'envs.py'}:Parser"], "tool_parser='xml' is not one of hermes, compact"),
         ([f"rollout.env={tmp / 'envs.py'}:Tools"], "tools must be engine.agents.tools.Tool"),
     ]
 
 
 def test_each_unreadable_input_is_named(tmp_path):
-    from engine.config import ConfigError
-    from pipelines.cli import check_inputs, parse
+    from rlflow.engine.config import ConfigError
+    from rlflow.pipelines.cli import check_inputs, parse
 
     for args, expected in bad_inputs(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(expected)):
@@ -134,9 +134,9 @@ def test_a_failing_reward_with_on_error_raise_is_one_line_naming_the_users_line(
 def test_lora_settings_and_checkpoints_of_the_other_kind_fail_before_work_starts(tmp_path, model_dir):
     """Checked on the driver, the model built on the meta device: a target that matches nothing, a
     rank above a layer's width, and a checkpoint to resume whose weights are of the other kind."""
-    from engine import checkpoint
-    from engine.config import ConfigError
-    from pipelines.cli import check_lora, parse
+    from rlflow.engine import checkpoint
+    from rlflow.engine.config import ConfigError
+    from rlflow.pipelines.cli import check_lora, parse
 
     out = f"trainer.output_dir={tmp_path}"
     for args, expected in [(["actor.lora_rank=8", "actor.lora_targets=[nope_proj]"], "matches no module"),
@@ -164,7 +164,7 @@ def test_lora_settings_and_checkpoints_of_the_other_kind_fail_before_work_starts
 
 
 def test_help_says_how_to_configure_and_version_names_the_package():
-    from pipelines.cli import package_version
+    from rlflow.pipelines.cli import package_version
 
     helped = subprocess.run([str(BIN / "rlflow"), "train", "--help"], capture_output=True, text=True, timeout=60)
     text = " ".join(helped.stdout.split())
@@ -174,7 +174,7 @@ def test_help_says_how_to_configure_and_version_names_the_package():
 
 
 def test_the_view_line_fits_the_tracking_store():
-    from pipelines.cli import view_command
+    from rlflow.pipelines.cli import view_command
 
     assert view_command("sqlite:///x/mlflow.db") == "mlflow ui --backend-store-uri sqlite:///x/mlflow.db"
     assert view_command("http://127.0.0.1:5000").startswith("open http://127.0.0.1:5000")  # mlflow ui refuses it

@@ -132,7 +132,7 @@ def test_pool_spreads_ranks_over_nodes_in_node_order(cluster, monkeypatch):
     import ray
     from ray import cloudpickle
 
-    from pipelines.runtime import build, start_pool
+    from rlflow.pipelines.runtime import build, start_pool
 
     c = cluster(nodes=2, cpus=2)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 from test_e2e import BIN, ROOT, env, history, only_run
 
-from engine.data import task
-from engine.data.prompts import load_pairs
-from pipelines.dpo import chosen_as_truth
+from rlflow.engine.data import task
+from rlflow.engine.data.prompts import load_pairs
+from rlflow.pipelines.dpo import chosen_as_truth
 
 pytestmark = pytest.mark.slow
 # one step = one optimizer step over all 16 training pairs, so `dpo/*` at step s measures the
@@ -112,9 +112,9 @@ def test_the_warm_starts_held_out_pairs_score_their_chosen_answer_right_and_the_
 
 
 def test_a_warm_start_left_with_fewer_examples_than_a_batch_is_refused(tmp_path):
-    from engine.config import ConfigError, load_config
-    from engine.data.prompts import Example, Prompt
-    from pipelines.sft import supervised
+    from rlflow.engine.config import ConfigError, load_config
+    from rlflow.engine.data.prompts import Example, Prompt
+    from rlflow.pipelines.sft import supervised
 
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "warmstart.batch_size=16"], job="dpo")
     examples = [Example([1, 2], [3, 4])] * 8

@@ -20,7 +20,7 @@ import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from pipelines.sft import CHECK_EVERY
+from rlflow.pipelines.sft import CHECK_EVERY
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent

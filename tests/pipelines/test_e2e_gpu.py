@@ -22,7 +22,7 @@ def store(tmp_path: Path) -> str:
 
 def train(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "MLFLOW_TRACKING_URI": store(tmp_path), "MLFLOW_ALLOW_FILE_STORE": "true"}
-    cmd = [sys.executable, "-m", "pipelines.cli", "train", str(ROOT / "conf" / "smoke.yaml"),
+    cmd = [sys.executable, "-m", "rlflow.pipelines.cli", "train", str(ROOT / "conf" / "smoke.yaml"),
            f"trainer.output_dir={tmp_path}/out", "placement.gpus_per_worker=1", "model.dtype=bfloat16",
            "rollout.dtype=bfloat16", "trainer.val_every=0", *overrides]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)

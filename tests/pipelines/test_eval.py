@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from engine.config import Config
-from engine.data.prompts import embedded_files
-from pipelines.cli import eval_files
-from pipelines.grpo import summarise
+from rlflow.engine.config import Config
+from rlflow.engine.data.prompts import embedded_files
+from rlflow.pipelines.cli import eval_files
+from rlflow.pipelines.grpo import summarise
 
 BIN = Path(sys.executable).parent
 
@@ -60,7 +60,7 @@ def test_rlflow_eval_logs_its_own_run_with_metrics_per_data_source(model_dir: Pa
     data.write_text("".join(json.dumps(row(s, a)) + "\n" for s in ("coin", "never") for a in range(6)))
     (tmp_path / "reward.py").write_text(REWARD)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cmd = [sys.executable, "-m", "pipelines.cli", "eval", str(model_dir), f"data.val_files=[{data}]",
+    cmd = [sys.executable, "-m", "rlflow.pipelines.cli", "eval", str(model_dir), f"data.val_files=[{data}]",
            "rollout.samples_per_prompt=6", "rollout.max_new_tokens=3", "trainer.experiment=evals",
            f"reward.function={tmp_path}/reward.py:compute_score", f"trainer.output_dir={tmp_path}/out"]
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri}
@@ -103,7 +103,7 @@ def test_rlflow_eval_of_a_run_uses_that_runs_embedded_held_out_set(model_dir: Pa
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    cmd = [sys.executable, "-m", "pipelines.cli", "eval", str(run / "hf_model"), "data.val_max_prompts=4",
+    cmd = [sys.executable, "-m", "rlflow.pipelines.cli", "eval", str(run / "hf_model"), "data.val_max_prompts=4",
            "rollout.samples_per_prompt=2", "rollout.max_new_tokens=3", "trainer.experiment=evals"]
     proc = subprocess.run(cmd, env={**os.environ, "MLFLOW_TRACKING_URI": uri}, cwd=elsewhere,
                           capture_output=True, text=True, timeout=280)

@@ -1,6 +1,6 @@
 import pytest
 
-from pipelines.driver import check_health
+from rlflow.pipelines.driver import check_health
 
 
 def test_repeated_non_finite_steps_stop_the_run_naming_the_intact_checkpoint(tmp_path):
@@ -11,8 +11,8 @@ def test_repeated_non_finite_steps_stop_the_run_naming_the_intact_checkpoint(tmp
 
 
 def test_the_progress_line_shows_a_failing_reward():
-    from engine.config import load_config
-    from pipelines.grpo import GRPO
+    from rlflow.engine.config import load_config
+    from rlflow.pipelines.grpo import GRPO
 
     algo = GRPO(load_config(None), "unused", [])
     step = {"critic/score/mean": 0.0, "perf/throughput": 310.0}

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from test_e2e import BIN, ROOT, env, only_run, stage_workers
 
-from engine.data import task
+from rlflow.engine.data import task
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from test_e2e import BIN, ROOT, env, history, only_run
 
-from engine.data import task
+from rlflow.engine.data import task
 
 pytestmark = pytest.mark.slow
 # one step = one optimizer step over all 16 training rows
@@ -80,8 +80,8 @@ def test_sft_resumes_and_two_workers_match_one(sft_run, tmp_path):
 def test_the_warm_starts_dev_prompts_are_held_out_of_its_examples(model_dir, data_files):
     from transformers import AutoTokenizer
 
-    from engine.data.prompts import load_examples, load_prompts
-    from pipelines.sft import hold_out
+    from rlflow.engine.data.prompts import load_examples, load_prompts
+    from rlflow.pipelines.sft import hold_out
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     examples, _ = load_examples([data_files["train"]], tok, 64, 16)

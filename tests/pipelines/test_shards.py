@@ -1,8 +1,8 @@
 import torch
 
-from engine.batch import Batch
-from pipelines.driver import even_cut
-from pipelines.grpo import balanced_shards, shards
+from rlflow.engine.batch import Batch
+from rlflow.pipelines.driver import even_cut
+from rlflow.pipelines.grpo import balanced_shards, shards
 
 
 def test_balanced_shards_keep_groups_whole_and_even_out_each_mini_batch():

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from engine.batch import RolloutRequest, Update
-from engine.config import load_config
-from pipelines import dpo, grpo, sft
-from pipelines.runtime import LOCAL, Broadcast, Group, InPlace, Runner, Stages
-from stages.worker import StageWorker
+from rlflow.engine.batch import RolloutRequest, Update
+from rlflow.engine.config import load_config
+from rlflow.pipelines import dpo, grpo, sft
+from rlflow.pipelines.runtime import LOCAL, Broadcast, Group, InPlace, Runner, Stages
+from rlflow.stages.worker import StageWorker
 
 LOG: list[tuple[str, int, str]] = []  # (stage, rank, verb) in call order
 LOSS = object()  # stands for a loss object: the graph hands it to the policy's update

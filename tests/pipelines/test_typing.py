@@ -12,10 +12,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = """
 from typing import Any
-from pipelines.runtime import Group, Stages
-from engine.train.losses import PolicyGradient, Supervised
-from stages.policy import Policy
-from stages.reward import Reward
+from rlflow.pipelines.runtime import Group, Stages
+from rlflow.engine.train.losses import PolicyGradient, Supervised
+from rlflow.stages.policy import Policy
+from rlflow.stages.reward import Reward
 
 def f(policy: Group[Policy], reward: Group[Reward], stages: Stages, batch: Any, pg: PolicyGradient,
       sft: Supervised) -> None:

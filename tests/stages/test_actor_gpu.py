@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from engine.batch import RolloutRequest
-from engine.config import load_config
-from engine.data.prompts import load_prompts
-from engine.train.losses import PolicyGradient
-from stages.advantage import Advantage
-from stages.hybrid import HybridPolicy
-from stages.reward import Reward
+from rlflow.engine.batch import RolloutRequest
+from rlflow.engine.config import load_config
+from rlflow.engine.data.prompts import load_prompts
+from rlflow.engine.train.losses import PolicyGradient
+from rlflow.stages.advantage import Advantage
+from rlflow.stages.hybrid import HybridPolicy
+from rlflow.stages.reward import Reward
 
 pytestmark = pytest.mark.gpu
 

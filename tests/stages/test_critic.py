@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-from engine import algos
-from engine.batch import Batch, RolloutRequest
-from engine.config import load_config
-from engine.data.prompts import load_prompts
-from engine.tensors import left_pad, right_pad
-from engine.train.losses import PolicyGradient
-from stages.advantage import Advantage
-from stages.critic import Critic
-from stages.hybrid import HybridPolicy
-from stages.reward import Reward
+from rlflow.engine import algos
+from rlflow.engine.batch import Batch, RolloutRequest
+from rlflow.engine.config import load_config
+from rlflow.engine.data.prompts import load_prompts
+from rlflow.engine.tensors import left_pad, right_pad
+from rlflow.engine.train.losses import PolicyGradient
+from rlflow.stages.advantage import Advantage
+from rlflow.stages.critic import Critic
+from rlflow.stages.hybrid import HybridPolicy
+from rlflow.stages.reward import Reward
 
 PPO = ["algorithm.name=ppo", "algorithm.advantage=gae", "data.max_prompt_tokens=16", "rollout.max_new_tokens=6",
        "data.prompts_per_step=4", "actor.mini_batch_prompts=2", "rollout.samples_per_prompt=2"]
@@ -150,7 +150,7 @@ def test_the_fresh_heads_load_report_is_dropped_and_any_other_kept(model_dir, tm
     policy's directory by design, goes unreported; a key missing from the backbone still shows."""
     from safetensors.torch import load_file, save_file
 
-    from stages.critic import fresh_head_unreported
+    from rlflow.stages.critic import fresh_head_unreported
 
     def reports() -> list[str]:
         return [r.getMessage() for r in caplog.records if "LOAD REPORT" in r.getMessage()]

@@ -6,11 +6,11 @@ import pytest
 import torch
 from test_policy import dpo_batch
 
-from engine.config import load_config
-from engine.data.reward_model import RewardModel
-from engine.train.losses import Preference
-from stages.policy import Policy
-from stages.reference import Reference
+from rlflow.engine.config import load_config
+from rlflow.engine.data.reward_model import RewardModel
+from rlflow.engine.train.losses import Preference
+from rlflow.stages.policy import Policy
+from rlflow.stages.reference import Reference
 
 pytestmark = pytest.mark.gpu
 

@@ -5,18 +5,18 @@ generates with the merged weights, and checkpoints and exports round-trip."""
 import pytest
 import torch
 
-from engine import algos
-from engine.batch import RolloutRequest
-from engine.config import load_config
-from engine.data.prompts import load_prompts
-from engine.train import lora
-from engine.train.fsdp import response_logprobs
-from engine.train.losses import PolicyGradient, Supervised
-from stages.advantage import Advantage
-from stages.hybrid import HybridPolicy
-from stages.policy import Policy
-from stages.reference import Reference
-from stages.reward import Reward
+from rlflow.engine import algos
+from rlflow.engine.batch import RolloutRequest
+from rlflow.engine.config import load_config
+from rlflow.engine.data.prompts import load_prompts
+from rlflow.engine.train import lora
+from rlflow.engine.train.fsdp import response_logprobs
+from rlflow.engine.train.losses import PolicyGradient, Supervised
+from rlflow.stages.advantage import Advantage
+from rlflow.stages.hybrid import HybridPolicy
+from rlflow.stages.policy import Policy
+from rlflow.stages.reference import Reference
+from rlflow.stages.reward import Reward
 
 LENGTH_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -118,7 +118,7 @@ def test_a_lora_checkpoint_and_export_round_trip(model_dir, data_files, tmp_path
 
 
 def test_lora_sft_learns_through_the_adapters(model_dir):
-    from engine.data.prompts import Example, examples_batch
+    from rlflow.engine.data.prompts import Example, examples_batch
 
     cfg = load_config(None, ["actor.lora_rank=8", "actor.lr=1e-2"])
     actor, loss = Policy(cfg, str(model_dir)), Supervised(cfg)
@@ -144,9 +144,9 @@ def test_lora_dpo_anchors_to_the_base(model_dir):
     loss is ln 2, and after updates the batch's reference logprobs are still the base model's."""
     import math
 
-    from engine.data import task
-    from engine.data.prompts import Pair, pairs_batch
-    from engine.train.losses import Preference
+    from rlflow.engine.data import task
+    from rlflow.engine.data.prompts import Pair, pairs_batch
+    from rlflow.engine.train.losses import Preference
 
     cfg = load_config(None, ["actor.lora_rank=8", "actor.lr=1e-2", "data.prompts_per_step=8",
                              "actor.mini_batch_prompts=8"], job="dpo")

@@ -8,16 +8,16 @@ import pytest
 import torch
 from conftest import leave_group
 
-from engine.batch import RolloutRequest
-from engine.config import ConfigError, load_config
-from engine.data.prompts import load_prompts
-from engine.train.fsdp import response_logprobs
-from engine.train.losses import PolicyGradient, Preference, Supervised
-from stages.advantage import Advantage
-from stages.hybrid import HybridPolicy
-from stages.policy import Policy
-from stages.reference import Reference
-from stages.reward import Reward
+from rlflow.engine.batch import RolloutRequest
+from rlflow.engine.config import ConfigError, load_config
+from rlflow.engine.data.prompts import load_prompts
+from rlflow.engine.train.fsdp import response_logprobs
+from rlflow.engine.train.losses import PolicyGradient, Preference, Supervised
+from rlflow.stages.advantage import Advantage
+from rlflow.stages.hybrid import HybridPolicy
+from rlflow.stages.policy import Policy
+from rlflow.stages.reference import Reference
+from rlflow.stages.reward import Reward
 
 LENGTH_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -131,7 +131,7 @@ def test_each_shipped_loss_config_updates_the_policy(conf, model_dir, data_files
 
 
 def test_sft_update_lowers_the_loss(model_dir):
-    from engine.data.prompts import Example, examples_batch
+    from rlflow.engine.data.prompts import Example, examples_batch
 
     cfg = load_config(None, [])
     actor, loss = Policy(cfg, str(model_dir)), Supervised(cfg)  # as SFT, DPO and the warm start build it
@@ -300,8 +300,8 @@ def test_a_bf16_rollout_trains_an_fp32_policy_with_the_gap_corrected(model_dir, 
 
 def dpo_batch(actor, ref, n: int):
     """n embedded-style pairs with answers of different lengths, carrying reference logprobs."""
-    from engine.data import task
-    from engine.data.prompts import Pair, pairs_batch
+    from rlflow.engine.data import task
+    from rlflow.engine.data.prompts import Pair, pairs_batch
 
     tok, eos, rng = actor.tokenizer, actor.tokenizer.eos_token_id, __import__("random").Random(0)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -316,7 +316,7 @@ def test_dpo_loss_matches_a_direct_forward_and_ignores_micro_batching(model_dir)
     and its loss is dpo_loss of summed logprobs from a plain transformers forward."""
     from dataclasses import replace
 
-    from engine import algos
+    from rlflow.engine import algos
 
     cfg = load_config(None, ["data.prompts_per_step=8", "actor.mini_batch_prompts=8", "actor.grad_clip=1e9",
                              "dpo.beta=0.5", "actor.lr=1e-2"])
@@ -366,7 +366,7 @@ def _sp_actor_worker(rank: int, world: int, port: int, overrides: list, model_di
     `world` workers that form one SP group; saves this rank's old logprobs and metrics."""
     import torch.distributed as dist
 
-    from engine.batch import Batch
+    from rlflow.engine.batch import Batch
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = load_config(None, overrides + [f"placement.workers={world}", f"actor.sp={world}"])

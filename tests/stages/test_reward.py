@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from engine.batch import Batch
-from engine.config import ConfigError, load_config
-from engine.data.reward_model import RewardModel
-from stages.reward import Reward
+from rlflow.engine.batch import Batch
+from rlflow.engine.config import ConfigError, load_config
+from rlflow.engine.data.reward_model import RewardModel
+from rlflow.stages.reward import Reward
 
 PROMPTS = ["12+30=", "7+8=", "99+1=", "5+5="]
 RESPONSES = ["42", "16", "100 and more text", ""]

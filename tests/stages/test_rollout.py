@@ -5,11 +5,11 @@ import torch
 from conftest import perturbed
 from transformers import AutoModelForCausalLM
 
-from engine.batch import RolloutRequest
-from engine.config import load_config
-from engine.data.prompts import load_prompts
-from stages.policy import staleness_metrics
-from stages.rollout import Rollout
+from rlflow.engine.batch import RolloutRequest
+from rlflow.engine.config import load_config
+from rlflow.engine.data.prompts import load_prompts
+from rlflow.stages.policy import staleness_metrics
+from rlflow.stages.rollout import Rollout
 
 
 def test_a_push_landing_mid_generation_is_taken_between_steps_and_booked_per_token(model_dir, data_files):

@@ -13,7 +13,7 @@ START = """
 import json, sys
 import torch
 from torch._dynamo.utils import counters
-from stages.worker import StageWorker
+from rlflow.stages.worker import StageWorker
 
 StageWorker(0, 1, 1).cache_compiles(sys.argv[1])
 f = torch.compile(lambda x: torch.sin(x) * 2 + 1)

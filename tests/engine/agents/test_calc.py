@@ -3,9 +3,9 @@
 import pandas as pd
 from transformers import AutoTokenizer
 
-from engine.agents.calc import ENV, Calculator, build_data
-from engine.agents.env import offered_tools
-from engine.data.prompts import Prompt, load_examples, load_prompts
+from rlflow.engine.agents.calc import ENV, Calculator, build_data
+from rlflow.engine.agents.env import offered_tools
+from rlflow.engine.data.prompts import Prompt, load_examples, load_prompts
 
 
 def test_demonstrations_are_episodes_of_a_careless_demonstrator(tmp_path, model_dir):

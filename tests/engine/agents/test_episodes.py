@@ -10,13 +10,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.agents.env import Step
-from engine.agents.episodes import Episode, _respond, run_episodes
-from engine.agents.tools import CALCULATOR, PARSERS
-from engine.data import task
-from engine.data.prompts import Prompt
-from engine.rollout.base import HFRollout, SamplingParams
-from engine.rollout.native import NativeRollout
+from rlflow.engine.agents.env import Step
+from rlflow.engine.agents.episodes import Episode, _respond, run_episodes
+from rlflow.engine.agents.tools import CALCULATOR, PARSERS
+from rlflow.engine.data import task
+from rlflow.engine.data.prompts import Prompt
+from rlflow.engine.rollout.base import HFRollout, SamplingParams
+from rlflow.engine.rollout.native import NativeRollout
 
 # [user]/[tool] turns, the assistant's ending in eos, and ">" cueing the assistant
 TEMPLATE = ("{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}<|endoftext|>"
@@ -102,7 +102,7 @@ def engine_of(backend: str, model_dir, tok):
         return NativeRollout(model_dir, tok, max_slots=32, max_len=160)
     if backend == "hf":
         return HFRollout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tok)
-    from engine.rollout.vllm import VLLMRollout
+    from rlflow.engine.rollout.vllm import VLLMRollout
 
     return VLLMRollout(model_dir, tok, 160, torch.float32)
 
@@ -275,7 +275,7 @@ def test_tool_calls_in_a_turn_become_its_observation_and_failures_are_counted(mo
 
 
 TALK_FILE = '''
-from engine.agents.env import Step
+from rlflow.engine.agents.env import Step
 
 
 class Talk:
@@ -292,13 +292,13 @@ def test_a_grpo_step_on_episodes_trains_only_the_sampled_tokens(model_dir, data_
     """rollout.env through the stages: rows are whole episodes, the loss mask is 0 under the
     observations, the environment's rewards are the scores (no reward function), and an update
     runs on them."""
-    from engine.batch import RolloutRequest
-    from engine.config import load_config
-    from engine.data.prompts import load_prompts
-    from engine.train.losses import PolicyGradient
-    from stages.advantage import Advantage
-    from stages.hybrid import HybridPolicy
-    from stages.reward import Reward
+    from rlflow.engine.batch import RolloutRequest
+    from rlflow.engine.config import load_config
+    from rlflow.engine.data.prompts import load_prompts
+    from rlflow.engine.train.losses import PolicyGradient
+    from rlflow.stages.advantage import Advantage
+    from rlflow.stages.hybrid import HybridPolicy
+    from rlflow.stages.reward import Reward
 
     (tmp_path / "talk.py").write_text(TALK_FILE)
     cfg = load_config(None, [f"rollout.env={tmp_path}/talk.py:Talk", "rollout.max_turns=3", "rollout.episode_tokens=40",

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.agents.tools import CALCULATOR, Tool, calculate, parse_compact, parse_hermes, python_tool, run_call
-from engine.data.sandbox import SandboxUnavailable, _probe
+from rlflow.engine.agents.tools import CALCULATOR, Tool, calculate, parse_compact, parse_hermes, python_tool, run_call
+from rlflow.engine.data.sandbox import SandboxUnavailable, _probe
 
 TOOLS = {CALCULATOR.name: CALCULATOR}
 

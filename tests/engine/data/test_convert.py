@@ -9,10 +9,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from engine.data import task
-from engine.data.convert import INSTRUCTIONS, convert
-from engine.data.prompts import load_prompts
-from engine.data.rewards import RewardFunction
+from rlflow.engine.data import task
+from rlflow.engine.data.convert import INSTRUCTIONS, convert
+from rlflow.engine.data.prompts import load_prompts
+from rlflow.engine.data.rewards import RewardFunction
 
 GSM8K_LINES = [
     {"question": "Natalia sold 48 clips and then 24 more. How many?", "answer": "48 + 24 = <<48+24=72>>72\n#### 72"},

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from engine.batch import RolloutRequest
-from engine.data import task
-from engine.data.prompts import (
+from rlflow.engine.batch import RolloutRequest
+from rlflow.engine.data import task
+from rlflow.engine.data.prompts import (
     DataError,
     Example,
     Pair,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from engine.data import task
-from engine.data.rewards import (
+from rlflow.engine.data import task
+from rlflow.engine.data.rewards import (
     BUILTIN,
     RewardError,
     RewardFunction,
@@ -75,8 +75,8 @@ def test_load_function_from_file(tmp_path) -> None:
 
 @pytest.mark.parametrize("spec, match", [
     ("no_colon_here", "package.module:name"),
-    ("engine.data.task:", "package.module:name"),
-    ("engine.data.task:not_there", "not_there"),
+    ("rlflow.engine.data.task:", "package.module:name"),
+    ("rlflow.engine.data.task:not_there", "not_there"),
     ("no_such_module_xyz:f", "no_such_module_xyz"),
     ("/nonexistent/dir/r.py:f", "not found"),
 ])
@@ -84,7 +84,7 @@ def test_load_function_bad_specs(spec: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         load_function(spec)
     with pytest.raises(TypeError, match="not a function"):
-        load_function("engine.data.task:DATA_SOURCE")
+        load_function("rlflow.engine.data.task:DATA_SOURCE")
 
 
 def write_reward(tmp_path, body: str) -> str:

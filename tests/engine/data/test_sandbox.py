@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.data.sandbox import MAX_OUTPUT_BYTES, SandboxUnavailable, _probe, resolve_isolation, run_python
+from rlflow.engine.data.sandbox import MAX_OUTPUT_BYTES, SandboxUnavailable, _probe, resolve_isolation, run_python
 
 
 def test_exit_status_and_output_come_back() -> None:

@@ -10,13 +10,13 @@ import torch.multiprocessing as mp
 from conftest import leave_group, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.config import ConfigError, load_config
-from engine.reshard import Resharder
-from engine.rollout import fp8, kernels
-from engine.rollout.base import SamplingParams
-from engine.rollout.build import build_rollout, weights_dtype
-from engine.rollout.model import TP, NativeCausalLM
-from engine.rollout.native import NativeRollout
+from rlflow.engine.config import ConfigError, load_config
+from rlflow.engine.reshard import Resharder
+from rlflow.engine.rollout import fp8, kernels
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout.build import build_rollout, weights_dtype
+from rlflow.engine.rollout.model import TP, NativeCausalLM
+from rlflow.engine.rollout.native import NativeRollout
 
 TEXTS = ["1+1=", "12+7=", "3+4=", "99+99=", "5+", "0+0=", "42+58=", "7", "31+", "8+80="] * 4
 

@@ -1,6 +1,6 @@
 """The native engine's record of what idle slots hold (engine/rollout/histories.py)."""
 
-from engine.rollout.histories import Histories
+from rlflow.engine.rollout.histories import Histories
 
 
 def test_a_prompt_continues_the_longest_history_that_is_a_strict_prefix_of_it():

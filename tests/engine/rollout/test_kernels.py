@@ -5,8 +5,8 @@ import inspect
 import pytest
 import torch
 
-from engine.rollout import kernels, model
-from engine.rollout.model import decode_attention, decode_mask
+from rlflow.engine.rollout import kernels, model
+from rlflow.engine.rollout.model import decode_attention, decode_mask
 
 pytestmark = pytest.mark.gpu
 

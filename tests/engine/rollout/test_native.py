@@ -8,10 +8,10 @@ import torch
 from conftest import leave_group, perturbed, trainer_logprobs
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.rollout.base import SamplingParams
-from engine.rollout.model import NativeCausalLM
-from engine.rollout.native import NativeRollout
-from engine.rollout.sampling import filter_logits
+from rlflow.engine.rollout.base import SamplingParams
+from rlflow.engine.rollout.model import NativeCausalLM
+from rlflow.engine.rollout.native import NativeRollout
+from rlflow.engine.rollout.sampling import filter_logits
 
 TEXTS = ["1+1=", "12+7=", "3+4=", "99+99=", "5+"]
 
@@ -112,7 +112,7 @@ def test_unsupported_rope_scaling_is_refused(tok):
 
 
 def test_gumbel_sampling_follows_the_tempered_distribution():
-    from engine.rollout.sampling import sample
+    from rlflow.engine.rollout.sampling import sample
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(40000, 4)
     params = SamplingParams(temperature=0.7)
@@ -149,7 +149,7 @@ def _tp_worker(rank: int, store: str, model_dir: str, out: str, device: str) -> 
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from engine.rollout.model import TP
+    from rlflow.engine.rollout.model import TP
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -374,7 +374,7 @@ def test_samples_waiting_for_a_slot_copy_a_running_siblings_prompt(model_dir, hf
 
 
 def test_prefill_graph_widths_are_few_and_pad_by_less_than_a_quarter():
-    from engine.rollout.graphs import PrefillGraphs
+    from rlflow.engine.rollout.graphs import PrefillGraphs
 
     widths = [PrefillGraphs.width(n) for n in range(1, 8193)]
     assert all(n <= w < n + max(16, n / 4) for n, w in enumerate(widths, 1)), "below n, or a quarter over"

@@ -9,9 +9,9 @@ from conftest import perturbed, trainer_logprobs
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.rollout.base import HFRollout, SamplingParams
-from engine.rollout.model import NativeCausalLM
-from engine.rollout.native import NativeRollout
+from rlflow.engine.rollout.base import HFRollout, SamplingParams
+from rlflow.engine.rollout.model import NativeCausalLM
+from rlflow.engine.rollout.native import NativeRollout
 
 pytestmark = pytest.mark.gpu
 

@@ -17,9 +17,9 @@ from conftest import trainer_logprobs
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.data import task
-from engine.rollout.base import Completion, HFRollout, RolloutEngine, SamplingParams
-from engine.rollout.native import NativeRollout
+from rlflow.engine.data import task
+from rlflow.engine.rollout.base import Completion, HFRollout, RolloutEngine, SamplingParams
+from rlflow.engine.rollout.native import NativeRollout
 
 NO_VLLM = importlib.util.find_spec("vllm") is None
 BACKENDS = ["hf", "native", pytest.param("vllm", marks=pytest.mark.skipif(NO_VLLM, reason="vllm extra not installed"))]
@@ -31,7 +31,7 @@ def build(backend: str, model_dir: Path, tok, max_len: int = 160, native_slots: 
         return HFRollout(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), tok)
     if backend == "native":  # by default fewer slots than prompts, so finished rows' slots are refilled
         return NativeRollout(model_dir, tok, max_slots=native_slots, max_len=max_len)
-    from engine.rollout.vllm import VLLMRollout
+    from rlflow.engine.rollout.vllm import VLLMRollout
 
     return VLLMRollout(model_dir, tok, max_len, torch.float32)
 

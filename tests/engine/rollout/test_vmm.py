@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.rollout import vmm
+from rlflow.engine.rollout import vmm
 
 pytestmark = pytest.mark.gpu
 

@@ -7,10 +7,10 @@ from conftest import leave_group
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from engine import algos
-from engine.train.batching import balance, even_bins, first_fit_decreasing, micro_batches
-from engine.train.fsdp import TrainEngine, chunked_token_stats, forward_logprobs, lr_lambda, step_metrics
-from engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
+from rlflow.engine import algos
+from rlflow.engine.train.batching import balance, even_bins, first_fit_decreasing, micro_batches
+from rlflow.engine.train.fsdp import TrainEngine, chunked_token_stats, forward_logprobs, lr_lambda, step_metrics
+from rlflow.engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
 
 
 def test_padded_micro_batches_respect_budget_and_cover_rows():
@@ -290,7 +290,7 @@ def _dp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dt
     """Three optimizer steps on rank's rows of one fixed batch; rank 0 saves losses, grads, norms."""
     import torch.distributed as dist
 
-    from engine.train.fsdp import all_reduce_sum
+    from rlflow.engine.train.fsdp import all_reduce_sum
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -375,7 +375,7 @@ def _sp_worker(rank: int, world: int, sp: int, port: int, model_dir: str, device
     forward); rank 0 saves losses, norms, first gradients and no-grad logprobs/entropies."""
     import torch.distributed as dist
 
-    from engine.train.fsdp import all_reduce_sum, response_logprobs
+    from rlflow.engine.train.fsdp import all_reduce_sum, response_logprobs
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -439,7 +439,7 @@ def test_sequence_parallel_matches_one_rank(model_dir, tmp_path, device, world):
 def test_sequence_parallel_needs_sp_to_divide_the_kv_heads():
     from types import SimpleNamespace
 
-    from engine.train import ulysses
+    from rlflow.engine.train import ulysses
 
     ulysses.check_heads(SimpleNamespace(num_attention_heads=4, num_key_value_heads=2), 2)
     with pytest.raises(ValueError, match="key/value heads \\(2\\)"):

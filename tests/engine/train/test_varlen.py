@@ -6,8 +6,8 @@ import torch
 from test_train import padded_batch
 from transformers import AutoModelForCausalLM
 
-from engine.train import varlen
-from engine.train.fsdp import forward_logprobs
+from rlflow.engine.train import varlen
+from rlflow.engine.train.fsdp import forward_logprobs
 
 CPU = torch.device("cpu")
 

@@ -1,0 +1,1 @@
+"""rlflow: RL post-training for LLMs on Ray, tracked in MLflow."""
