@@ -18,7 +18,7 @@ one, so generation and training take comparable time on the CPU):
             it never idles, and a batch is one or two versions old
   stale4, stale4_tis  four steps queued ahead, without and with the correction: a mismatch strong
             enough to see what the correction does (`--modes split,stale4,stale4_tis`)
-With `--task agent`, the embedded agent task (conf/agent_calc.yaml) instead, warm-started as that
+With `--task agent`, the embedded agent task (conf/demo-agent.yaml) instead, warm-started as that
 config does, on the native engine, its calculator taking `--tool-s` seconds a call
 (bench/slow_calc.py, as a remote sandbox would): generation as long as the rest of a step, and
 long enough that streaming (k = 2) takes pushed weights mid-batch (partial rollouts).
@@ -113,7 +113,7 @@ def main() -> None:
 
     # the warm start, once: every run below starts RL from the model it writes
     agent = args.task == "agent"
-    conf = [str(ROOT / "conf" / "agent_calc.yaml")] if agent else []
+    conf = [str(ROOT / "conf" / "demo-agent.yaml")] if agent else []
     rlflow(work, "warm", "trainer.total_steps=1", "trainer.val_every=0", "trainer.val_samples=0", conf=conf)
     warm = work / "warm"
     data = warm / "embedded" / ("calc" if agent else "data")

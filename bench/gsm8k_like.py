@@ -3,11 +3,11 @@
 
     python bench/gsm8k_like.py --out /tmp/gsm8k_like                    # qwen2.5-0.5b shape, GPU
     python bench/gsm8k_like.py --out /tmp/gsm8k_like --shape tiny       # a CPU smoke run
-    rlflow train conf/grpo_gsm8k.yaml $(cat /tmp/gsm8k_like/args)       # the printed command
+    rlflow train gsm8k $(cat /tmp/gsm8k_like/args)                      # the printed command
 
 It writes OUT/model (a HF directory: bf16 safetensors, config, tokenizer), OUT/train.parquet and
 OUT/val.parquet (verl-shaped rows, data_source "openai/gsm8k", a number as ground truth) and
-OUT/args, the settings that point `conf/grpo_gsm8k.yaml` at them. The vocabulary is small on
+OUT/args, the settings that point the `gsm8k` recipe at them. The vocabulary is small on
 purpose: a random model samples its end-of-text token about once in 51 draws, so answers end at
 different lengths (a geometric spread, tens of tokens on average, capped by
 rollout.max_new_tokens) the way a real model's do, and a step's length mix is a real one's. The
@@ -85,11 +85,10 @@ def main() -> None:
     for split, count in (("train", args.train), ("val", args.val)):
         pd.DataFrame(rows(count, rng, *args.prompt, split)).to_parquet(args.out / f"{split}.parquet")
     settings = [f"model.path={args.out / 'model'}", f"data.train_files={args.out / 'train.parquet'}",
-                f"data.val_files={args.out / 'val.parquet'}", f"data.max_prompt_tokens={args.prompt[1]}",
-                "rollout.max_new_tokens=256"]
+                f"data.val_files={args.out / 'val.parquet'}"]
     (args.out / "args").write_text(" ".join(settings) + "\n")
     print(f"wrote {args.out}: a {args.shape}-shape model with {len(tok)} tokens, {args.train} + {args.val} rows")
-    print("rlflow train conf/grpo_gsm8k.yaml " + " ".join(settings))
+    print("rlflow train gsm8k " + " ".join(settings))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
 """Run configuration: typed dataclasses are the single source of defaults and validation.
 
-YAML files in `conf/` hold only differences from these defaults, and `key=value` command-line
-overrides address fields by dotted path (`rollout.samples_per_prompt=8`). Values are parsed as
-YAML scalars and checked against the field's type; `key=` with no value changes nothing.
+The defaults serve a real 0.5B-8B model (docs/config.md says where each comes from). A run's
+settings are, in order: the defaults; a recipe (engine/recipes.py: a YAML diff, by name or path;
+with none named and no model named, `demo`, the embedded task on the CPU); `key=value` overrides
+by dotted path (`rollout.samples_per_prompt=8`), parsed as YAML scalars and checked against the
+field's type (`key=` with no value changes nothing). Keys set to `auto` are resolved last, from the
+job and whether the run has GPUs (`resolve`).
 
 Invariants:
-- an unknown key is an error that names the closest valid key;
+- an unknown key is an error that names rlflow's key for a name users bring from verl, TRL or
+  OpenRLHF (engine/aliases.py), else the closest valid key;
 - every key has a one-line meaning (its field comment), rendered in docs/config.md by `python -m rlflow.engine.config`;
 - the algorithm switches accept exactly the names engine/algos.py dispatches on (its tuples);
 - `algorithm.name` is derived, never a switch: the command picks the job (rl, sft, dpo), an RL run's label
   follows its settings (`run_label`); a value that contradicts them is an error;
 - a pipeline that needs other values than the user's changes them through `override`, which says so;
 - `validate()` runs before any worker starts, so a bad run fails in seconds, not after setup;
-- `to_dict(cfg)` round-trips through `load_config` with the same job (it is what a checkpoint stores).
+- a loaded config holds no `auto`: `to_dict(cfg)` round-trips through `load_config` with the same job
+  (it is what a checkpoint stores).
 """
 
 from __future__ import annotations
@@ -26,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from rlflow.engine import aliases, recipes
 from rlflow.engine.algos import (
     ADVANTAGES,
     GROUP_ESTIMATORS,
@@ -40,20 +44,24 @@ from rlflow.engine.algos import (
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
 EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL or DPO: at most this many steps ...
 EMBEDDED_WARMSTART_ACCURACY = 0.4  # ... ending once its greedy accuracy on training problems reaches this
+DEMO = "demo"  # the recipe of a run that names none and no model: the embedded task on the CPU
+AUTO = "auto"  # a key's value that `resolve` fills in; a number key holds it as -1
+LR = {"rl": 1e-6, "dpo": 1e-6, "sft": 2e-5}  # actor.lr auto, full weights (TRL's GRPO, DPO and SFT defaults)
+LORA_LR_SCALE = 10  # ... times this for LoRA adapters ("LoRA Without Regret", Schulman et al., 2025)
 
 
 @dataclass
 class ModelConfig:
-    path: str = EMBEDDED  # HF model directory; "embedded" builds the tiny Qwen2
-    dtype: str = "float32"  # training compute dtype: float32 | bfloat16
+    path: str = ""  # HF model directory, or Hub id org/name[@revision]; "embedded": the demo's tiny Qwen2
+    dtype: str = AUTO  # training compute dtype: auto (bfloat16 on GPUs, float32 on the CPU) | float32 | bfloat16
 
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=lambda: [EMBEDDED])  # training rows: parquet / jsonl, or "embedded"
-    val_files: list[str] = field(default_factory=lambda: [EMBEDDED])  # held-out rows for validation, same formats
+    train_files: list[str] = field(default_factory=list)  # training rows: parquet / jsonl, or "embedded"
+    val_files: list[str] = field(default_factory=list)  # held-out rows for validation, same formats
     prompts_per_step: int = 64  # prompts per RL step over all workers (pairs for DPO, examples for SFT)
-    max_prompt_tokens: int = 64  # a longer prompt is skipped or refused (data.overlong_prompts), never truncated
+    max_prompt_tokens: int = 1024  # a longer prompt is skipped or refused (data.overlong_prompts), never truncated
     overlong_prompts: str = "skip"  # skip (counted, logged) | error
     val_max_prompts: int = 256  # 0 = the whole validation set
 
@@ -62,24 +70,24 @@ class DataConfig:
 class RolloutConfig:
     backend: str = "native"  # native (engine/rollout/native.py) | hf (transformers generate) | vllm (the vllm extra)
     samples_per_prompt: int = 8  # responses sampled per prompt: the group that group estimators compare
-    max_new_tokens: int = 8  # response length cap (SFT/DPO: longer answers are skipped)
+    max_new_tokens: int = 1024  # response length cap (SFT/DPO: longer answers are skipped)
     temperature: float = 1.0  # sampling temperature; training logprobs use it too, so the two agree; 0 = greedy
     top_p: float = 1.0  # sample from the smallest token set holding this much probability; 1 disables
     top_k: int = 0  # 0 disables top-k
     stop_strings: list[str] = field(default_factory=list)  # eos always stops
-    dtype: str = "float32"  # float32 | bfloat16 | fp8 (native, sm89+ GPU); unless model.dtype, needs rollout_correction
+    dtype: str = AUTO  # auto (model.dtype) | float32 | bfloat16 | fp8 (native, sm89+ GPU); else needs rollout_correction
     kv_cache_memory: float = 0.3  # native on CUDA: KV cache at most this fraction of free GPU memory
     free_cache: bool = False  # release the rollout's KV cache and weights while training (native: CUDA graphs kept)
     tp: int = 1  # native: tensor-parallel size of generation; groups of tp consecutive workers share their prompts
     env: str = ""  # "module:Class" or "path/file.py:Class": multi-turn episodes with tools (docs/howto/agents.md)
     max_turns: int = 4  # with env: model turns an episode runs at most, each at most max_new_tokens
-    episode_tokens: int = 256  # with env: response tokens of an episode (its turns and observations), at most
+    episode_tokens: int = 2048  # with env: response tokens of an episode (its turns and observations), at most
 
 
 @dataclass
 class ActorConfig:
     """The policy's training. Keys marked "critic too" also set how the critic (`algorithm.advantage=gae`) trains."""
-    lr: float = 2e-4  # peak AdamW learning rate of the policy (the critic has critic.lr)
+    lr: float = -1.0  # peak AdamW lr of the policy; auto: RL and DPO 1e-6, SFT 2e-5, x10 with LoRA (critic: critic.lr)
     weight_decay: float = 0.0  # AdamW's decoupled weight decay (critic too)
     grad_clip: float = 1.0  # clip the global gradient norm of each optimizer step to this (critic too)
     warmup_steps: int = 0  # optimizer steps of linear lr warmup (critic too; not critic.warmup_steps)
@@ -150,17 +158,17 @@ class DPOConfig:
 
 @dataclass
 class WarmstartConfig:
-    steps: int = -1  # supervised steps on train answers before RL/DPO (at most); 0 skips; -1: embedded 4000
-    lr: float = 1e-3  # the warm start's constant learning rate
+    steps: int = -1  # supervised steps on train answers before RL/DPO (at most); 0 skips; auto: embedded 4000, else 0
+    lr: float = 2e-5  # the warm start's constant learning rate
     batch_size: int = 32  # examples per warm-start step, on one worker
-    stop_accuracy: float = -1.0  # end at this greedy accuracy on 256 held-out train rows; 0 no; -1: .4 embedded
+    stop_accuracy: float = -1.0  # end at this greedy accuracy on 256 held-out train rows; 0 no; auto: .4 embedded
 
 
 @dataclass
 class PlacementConfig:
     workers: int = 1  # data-parallel ranks of the hybrid actor pool, one process each
     own_pool: list[str] = field(default_factory=list)  # roles off the hybrid pool: reward, reference, critic, rollout
-    gpus_per_worker: float = 0.0  # 0 = CPU bundles
+    gpus_per_worker: float = -1.0  # auto: 1 where CUDA is visible (to the Ray cluster joined), else 0 (CPU bundles)
     torch_threads: int = 1  # per worker; idle compiled-graph actors spin a core each
 
 
@@ -224,12 +232,23 @@ RENAMED = {"trainer.async_mode": "trainer.max_staleness (sync: 0, one_step: 1)"}
 def _unknown(key: str) -> ConfigError:
     if key in RENAMED:
         return ConfigError(f"config key '{key}' is now {RENAMED[key]}")
+    peer = aliases.rlflow_key(key)
+    if peer:
+        return ConfigError(f"unknown config key '{key}': {peer}")
     close = difflib.get_close_matches(key, list(all_keys()), n=1, cutoff=0.4)
     hint = f"; did you mean '{close[0]}'?" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
+# Keys that take `auto`, and how each holds it until `resolve` fills it in.
+AUTO_KEYS: dict[str, Any] = {"model.dtype": AUTO, "rollout.dtype": AUTO, "actor.lr": -1.0,
+                             "placement.gpus_per_worker": -1.0, "warmstart.steps": -1,
+                             "warmstart.stop_accuracy": -1.0}
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
+    if value == AUTO and key in AUTO_KEYS:
+        return AUTO_KEYS[key]
     if typing.get_origin(tp) is list:
         items = value if isinstance(value, list) else [value]
         return [_coerce(key, v, typing.get_args(tp)[0]) for v in items]
@@ -270,33 +289,55 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _yaml(text: str, what: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{what} is not valid YAML: {getattr(e, 'problem', None) or e}{where}") from None
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                job: str = "rl") -> Config:
-    """Defaults, then the YAML diff at `path`, then `key=value` overrides, for the `job` its command runs
-    (`rlflow train`: rl, `rlflow sft`: sft, `rlflow dpo`: dpo); validated."""
-    if job not in JOBS:
-        raise ConfigError(f"job {job!r}: choose one of {list(JOBS)}")
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """{dotted key: value} of `key=value` items; `key=` (empty) keeps the configured value, as
+    MLproject's empty parameters rely on."""
     settings: dict[str, Any] = {}
-    if path:
-        diff = _yaml(Path(path).read_text(), str(path)) or {}
-        if not isinstance(diff, dict):
-            raise ConfigError(f"{path}: expected a mapping at the top level")
-        settings.update(_flatten(diff))
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ConfigError(f"override '{item}' is not key=value")
-        if raw.strip():  # `key=` (empty) keeps the configured value, as MLproject defaults rely on
-            settings[key.strip()] = _yaml(raw, f"override '{item}'")
+            known = key in all_keys() or aliases.rlflow_key(key)
+            raise ConfigError(f"'{item}' is a config key without a value: write {key}=VALUE" if known else
+                              f"'{item}' is not key=value (a recipe or YAML file goes first, or after --config)")
+        if raw.strip():
+            try:
+                settings[key.strip()] = recipes.parse_yaml(raw, f"override '{item}'")
+            except recipes.RecipeError as e:
+                raise ConfigError(str(e)) from None
+    return settings
+
+
+def recipe_settings(path: str | Path | None, settings: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """(the recipe's job, its settings by dotted key) for recipe or file `path`; with none named,
+    the `demo` recipe's unless `settings` name a model other than the embedded one."""
+    if path is None and settings.get("model.path", EMBEDDED) != EMBEDDED:
+        return None, {}
+    try:
+        job, layers = recipes.read(path or DEMO)
+    except recipes.RecipeError as e:
+        if str(path) in all_keys() or aliases.rlflow_key(str(path)):
+            raise ConfigError(f"'{path}' is a config key without a value: write {path}=VALUE") from None
+        raise ConfigError(str(e)) from None
+    out: dict[str, Any] = {}
+    for layer in layers:
+        out.update(_flatten(layer))
+    return job, out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                job: str | None = None, gpus: int | None = None) -> Config:
+    """The validated config of a run: the defaults, the recipe at `path` (a shipped recipe's name or
+    a YAML file; None: `demo` unless the overrides name a model), then `key=value` overrides, for
+    the `job` its command runs (`rlflow sft`: sft, `rlflow dpo`: dpo; None: the recipe's, else rl).
+    `auto` keys are resolved with `gpus` visible GPUs (None: count this machine's)."""
+    settings = parse_overrides(overrides)
+    recipe_job, base = recipe_settings(path, settings)
+    if job is not None and recipe_job is not None and job != recipe_job:
+        raise ConfigError(f"{path} is a recipe for {recipe_job}, not {job}: run `rlflow {_COMMANDS[recipe_job]} {path}`")
+    job = job or recipe_job or "rl"
+    if job not in JOBS:
+        raise ConfigError(f"job {job!r}: choose one of {list(JOBS)}")
+    settings = {**base, **settings}
     named = settings.pop("algorithm.name", None)
     cfg = Config()
     for key, value in settings.items():
@@ -306,13 +347,53 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(f"algorithm.name={named!r} contradicts this run, which is {cfg.algorithm.name!r}: the "
                           "command sets sft and dpo (`rlflow sft`, `rlflow dpo`); an RL run's name follows "
                           "algorithm.advantage and actor.policy_loss (advantage gae is ppo)")
-    embedded = cfg.model.path == EMBEDDED
-    if cfg.warmstart.steps == -1:  # auto: only the embedded model starts untrained; SFT is the training itself
-        cfg.warmstart.steps = 0 if not embedded or job == "sft" else EMBEDDED_WARMSTART_STEPS
-    if cfg.warmstart.stop_accuracy == -1:  # auto: the embedded task learns most from a weak, not random, start
-        cfg.warmstart.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded and job != "sft" else 0.0
+    resolve(cfg, job, visible_gpus() if gpus is None else gpus)
     validate(cfg)
     return cfg
+
+
+_COMMANDS = {"rl": "train", "sft": "sft", "dpo": "dpo"}
+
+
+def visible_gpus() -> int:
+    """GPUs this process sees."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def resolve(cfg: Config, job: str, gpus: int) -> None:
+    """Fill in every `auto` key, in place: one GPU a worker where `gpus` > 0; bfloat16 on GPUs; the
+    job's learning rate (ten times it for LoRA); a warm start for the embedded model alone."""
+    p, a, w = cfg.placement, cfg.actor, cfg.warmstart
+    embedded = cfg.model.path == EMBEDDED
+    if p.gpus_per_worker == AUTO_KEYS["placement.gpus_per_worker"]:
+        p.gpus_per_worker = 1.0 if gpus else 0.0
+    if cfg.model.dtype == AUTO:
+        cfg.model.dtype = "bfloat16" if p.gpus_per_worker else "float32"
+    if cfg.rollout.dtype == AUTO:
+        cfg.rollout.dtype = cfg.model.dtype
+    if a.lr == AUTO_KEYS["actor.lr"]:
+        a.lr = float(f"{LR[job] * (LORA_LR_SCALE if a.lora_rank else 1):.6g}")
+    if w.steps == AUTO_KEYS["warmstart.steps"]:  # only the embedded model starts untrained; SFT is the training itself
+        w.steps = 0 if not embedded or job == "sft" else EMBEDDED_WARMSTART_STEPS
+    if w.stop_accuracy == AUTO_KEYS["warmstart.stop_accuracy"]:  # the embedded task learns most from a weak start
+        w.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded and job != "sft" else 0.0
+
+
+def doubts(cfg: Config, gpus: int) -> list[str]:
+    """Settings that run but look like a mistake, one line each naming the key: a real model on the
+    CPU while GPUs are visible, or with answers cut at a toy length."""
+    if cfg.model.path == EMBEDDED:
+        return []
+    out = []
+    if not cfg.placement.gpus_per_worker and gpus:
+        out.append(f"model.path={cfg.model.path} trains on the CPU (placement.gpus_per_worker=0) while {gpus} "
+                   "GPU(s) are visible; placement.gpus_per_worker=auto uses them")
+    if cfg.rollout.max_new_tokens < 32:
+        out.append(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} cuts a real model's answers at a toy "
+                   "length (the embedded demo's); the default is 1024")
+    return out
 
 
 def run_label(cfg: Config) -> str:
@@ -399,6 +480,13 @@ def _validate_sp(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     """Every check that can fail before work starts. Raises ConfigError naming the key."""
+    if not cfg.model.path:
+        raise ConfigError("model.path is not set: name a HF model directory or a Hub id (org/name); "
+                          "`rlflow train` alone runs the embedded demo, `rlflow recipes` lists the rest")
+    for key in ("train_files", "val_files"):
+        if not getattr(cfg.data, key):
+            raise ConfigError(f"data.{key} is empty: name parquet or jsonl files of rows (docs/howto/data.md; "
+                              "`rlflow data gsm8k DIR` writes GSM8K's)")
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {list(allowed)}")
@@ -592,11 +680,18 @@ def reference_markdown() -> str:
     for key, tp in all_keys().items():
         section, name = key.split(".")
         type_name = getattr(tp, "__name__", str(tp)) if typing.get_origin(tp) is not list else str(tp)
+        default = AUTO if key in AUTO_KEYS else repr(defaults[section][name])
         escaped = meaning[key].replace("|", "\\|")
-        rows.append(f"| `{key}` | {type_name} | `{defaults[section][name]!r}` | {escaped} |")
+        rows.append(f"| `{key}` | {type_name} | `{default}` | {escaped} |")
     return "\n".join(rows) + "\n"
 
 
-if __name__ == "__main__":
-    print("# Configuration reference\n\nGenerated from `engine/config.py` by "
-          "`python -m rlflow.engine.config`; a test keeps it in sync.\n\n" + reference_markdown(), end="")
+KEYS_BEGIN, KEYS_END = "<!-- keys: generated by python -m rlflow.engine.config docs/config.md -->", "<!-- end of keys -->"
+
+if __name__ == "__main__":  # rewrite the key table of the reference page in place, between its markers
+    import sys
+
+    page = Path(sys.argv[1])
+    text = page.read_text()
+    head, _, rest = text.partition(KEYS_BEGIN)
+    page.write_text(head + KEYS_BEGIN + "\n" + reference_markdown() + KEYS_END + rest.partition(KEYS_END)[2])

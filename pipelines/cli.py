@@ -1,12 +1,16 @@
 """The `rlflow` command line.
 
-    rlflow train [CONFIG.yaml] [key=value ...]   run a config (no arguments: the embedded default)
-    rlflow dpo [CONFIG.yaml] [key=value ...]     DPO on preference pairs
-    rlflow sft [CONFIG.yaml] [key=value ...]     supervised fine-tuning on prompt/response rows
-    rlflow config [CONFIG.yaml] [key=value ...]  print the resolved config as YAML
+    rlflow train [RECIPE] [key=value ...]   run a recipe, by name or YAML file (its job: RL, SFT or DPO);
+                                            no recipe and no model.path: the embedded demo
+    rlflow dpo [RECIPE] [key=value ...]     DPO on preference pairs
+    rlflow sft [RECIPE] [key=value ...]     supervised fine-tuning on chat or prompt/response rows
+    rlflow config [RECIPE] [key=value ...]  print the resolved config as YAML, for the recipe's job
+    rlflow recipes                          the shipped recipes, one line each
     rlflow export CHECKPOINT|OUTPUT_DIR DEST      write a checkpoint's policy as a HF directory
-    rlflow data {gsm8k,math} SRC DST              convert GSM8K/MATH-style rows to rlflow rows
-    rlflow eval MODEL [CONFIG.yaml] [key=value ...]  accuracy, mean@k, pass@k of a checkpoint or HF dir
+    rlflow data {gsm8k,math} [SRC] DST      GSM8K/MATH rows as rlflow rows (no SRC: from the Hub, into DST/)
+    rlflow eval MODEL [RECIPE] [key=value ...]  accuracy, mean@k, pass@k of a checkpoint or HF dir
+
+A recipe may also be given as `--config RECIPE`.
 
 The driver owns the MLflow run (attaching to MLFLOW_RUN_ID when `mlflow run` set it, or to the
 run of the checkpoint it resumes), starts or joins Ray (RAY_ADDRESS joins a cluster, as under
@@ -31,8 +35,10 @@ from pathlib import Path
 import yaml
 
 from rlflow.engine import checkpoint
-from rlflow.engine.config import EMBEDDED, Config, ConfigError, load_config, to_dict
+from rlflow.engine import hub, recipes
+from rlflow.engine.config import EMBEDDED, Config, ConfigError, doubts, load_config, to_dict, visible_gpus
 from rlflow.engine.tracking import Tracker
+from rlflow.pipelines.inputs import check_inputs, resolve_files, resolve_inputs
 
 # Progress bars of datasets, transformers and huggingface_hub, here and in the Ray workers of a
 # local cluster (they inherit this environment; conf/ray/runtime_env.yaml sets them on a cluster).
@@ -71,6 +77,16 @@ def loopback_only() -> None:
         os.environ.setdefault(key, value)
 
 
+def prepare_environment() -> None:
+    """What a job's process sets before the libraries load: MLflow's HTTP client fails fast (it
+    retries a dead server for minutes per call by default; the tracker buffers through outages
+    instead), quiet libraries, and a Ray cluster of its own on loopback only."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    quiet_libraries()
+    loopback_only()
+
+
 def split_args(args: list[str]) -> list[str]:
     """Drop empty arguments and split one argument holding several `k=v` (MLproject quotes
     `-P overrides="a=1 b=2"` into one word); a lone `key=a b` stays whole."""
@@ -81,100 +97,25 @@ def split_args(args: list[str]) -> list[str]:
     return out
 
 
-def parse(args: list[str], job: str = "rl") -> Config:
-    """Config from `[CONFIG.yaml] key=value ...` for the command's job: rl, sft or dpo."""
+def parse(args: list[str], job: str | None = None, config: str | None = None, gpus: int | None = None) -> Config:
+    """Config from `[RECIPE] key=value ...` (or `config`, the recipe of `--config`) for the command's
+    job: rl, sft or dpo; None: the recipe's. `gpus`: how many the run can use (None: this machine's)."""
     args = split_args(args)
-    path = args[0] if args and "=" not in args[0] else None
-    return load_config(path, args[1:] if path else args, job)
+    if config is None and args and "=" not in args[0]:
+        config, args = args[0], args[1:]
+    return load_config(config, args, job, gpus)
 
 
-def resolve_files(cfg: Config) -> dict[str, list[str]]:
-    """{"train": [...], "val": [...]} data files, building the embedded ones on first use
-    (preference pairs for DPO; with the embedded agent task's environment, its problems and, under
-    "demos", the demonstrations its warm start learns from; prompts otherwise)."""
-    from rlflow.engine.agents import calc
-    from rlflow.engine.data.prompts import embedded_files, embedded_pair_files
+def cluster_gpus() -> int | None:
+    """GPUs of the Ray cluster RAY_ADDRESS names, which `auto` settings serve (joined here, as the
+    run joins it next); None without one: the run starts its own, on this machine."""
+    if not os.environ.get("RAY_ADDRESS"):
+        return None
+    import ray
 
-    root = Path(cfg.trainer.output_dir) / "embedded"
-    build = embedded_pair_files if cfg.algorithm.name == "dpo" else \
-        calc.embedded_files if cfg.rollout.env == calc.ENV else embedded_files
-    built = build(root, cfg.trainer.seed) if EMBEDDED in cfg.data.train_files + cfg.data.val_files else {}
-    files = {split: [built[split] if f == EMBEDDED else f for f in getattr(cfg.data, f"{split}_files")]
-             for split in ("train", "val")}
-    if "demos" in built and EMBEDDED in cfg.data.train_files:
-        files["demos"] = [built["demos"]]
-    return files
-
-
-def resolve_inputs(cfg: Config) -> tuple[str, dict[str, list[str]]]:
-    """The model directory and data files, building the embedded ones on first use."""
-    from rlflow.engine.data.task import build_model
-
-    model = cfg.model.path
-    if model == EMBEDDED:
-        root = Path(cfg.trainer.output_dir) / "embedded"
-        model = str(root / "model")
-        if not (root / "model" / "config.json").is_file():
-            build_model(root / "model", seed=cfg.trainer.seed)
-    return model, resolve_files(cfg)
-
-
-def _check_model_dir(key: str, path: str) -> None:
-    where = Path(path)
-    if not where.is_dir():
-        raise ConfigError(f"{key}={path}: no such directory (expected a HF model directory)")
-    if not (where / "config.json").is_file():
-        raise ConfigError(f"{key}={path}: not a HF model directory (no config.json)")
-    if not any((where / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        raise ConfigError(f"{key}={path}: no tokenizer in the model directory "
-                          "(expected tokenizer.json or tokenizer_config.json)")
-
-
-def check_inputs(cfg: Config, model: bool = True) -> None:
-    """Name the first configured input that cannot be read, before MLflow or Ray start: the model
-    directory (`model=False` for eval, whose model is its argument), the data files, the reward,
-    the environment."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from rlflow.engine.agents.env import check_environment
-    from rlflow.engine.data.prompts import FORMATS
-    from rlflow.engine.data.rewards import load_function
-
-    if model and cfg.model.path != EMBEDDED:
-        _check_model_dir("model.path", cfg.model.path)
-    if model and cfg.trainer.resume not in ("auto", "never"):
-        reason = checkpoint.problem(Path(cfg.trainer.resume))
-        if reason:
-            raise ConfigError(f"trainer.resume={cfg.trainer.resume}: not a usable checkpoint: {reason}")
-    for key in ("train_files", "val_files") if model else ("val_files",):
-        for f in (f for f in getattr(cfg.data, key) if f != EMBEDDED):
-            if not Path(f).is_file():
-                raise ConfigError(f"data.{key}: {f}: no such file (expected a {'/'.join(FORMATS)} file "
-                                  f"or {EMBEDDED})")
-            if Path(f).suffix not in FORMATS:
-                raise ConfigError(f"data.{key}: {f}: unsupported file type (expected {'/'.join(FORMATS)})")
-            if Path(f).suffix == ".parquet":  # the footer only: a truncated or mislabelled file fails here, cheaply
-                try:
-                    pq.read_metadata(f)
-                except (pa.ArrowException, OSError) as e:
-                    raise ConfigError(f"data.{key}: {f}: not a readable parquet file: {_first_line(e)}") from None
-    if cfg.reward.model:
-        _check_model_dir("reward.model", cfg.reward.model)
-    for key, spec, what in (("reward.function", cfg.reward.function, "reward function"),
-                            ("rollout.env", cfg.rollout.env, "environment")):
-        if spec:
-            try:
-                loaded = load_function(spec, what)
-                if key == "rollout.env":
-                    check_environment(loaded)
-            except Exception as e:  # the user's module may fail in any way while it is imported
-                raise ConfigError(f"{key}={spec}: {_first_line(e)}") from None
-
-
-def _first_line(e: BaseException) -> str:
-    """An error's first line, or its type's name when it says nothing: a config error's reason."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if not ray.is_initialized():
+        ray.init(logging_level=logging.WARNING)
+    return int(ray.cluster_resources().get("GPU", 0))
 
 
 def init_ray(cfg: Config) -> None:
@@ -259,18 +200,20 @@ def train(cfg: Config) -> dict[str, str]:
     from rlflow.pipelines import dpo, driver, grpo, sft
 
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
-    model_path, files = resolve_inputs(cfg)
+    settings = to_dict(cfg)  # as the user gave them: a Hub id stays an id in the run's params
+    cfg, model_path, files = resolve_inputs(cfg)
     adapters = check_lora(cfg, model_path)
     previous = resumed_run_id(cfg)
     if previous and "MLFLOW_RUN_ID" not in os.environ:
         os.environ["MLFLOW_RUN_ID"] = previous
     tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or None,
                       tags={"algorithm": cfg.algorithm.name, "model": cfg.model.path, "git_commit": git_commit(),
-                            "dataset_hash": dataset_hash(files["train"])})
+                            "dataset_hash": dataset_hash(files["train"]),
+                            **({"model_commit": hub.commit(model_path)} if hub.commit(model_path) else {})})
     status = "FAILED"
     try:
-        tracker.log_params(to_dict(cfg))
-        tracker.log_dict(to_dict(cfg), "config.yaml")
+        tracker.log_params(settings)
+        tracker.log_dict(settings, "config.yaml")
         tracker.log_datasets(files)
         check_disk(cfg, model_path, tracker, adapters)
         init_ray(cfg)
@@ -453,47 +396,41 @@ def main(argv: list[str] | None = None) -> int:
                                      epilog="docs: README.md and docs/ (docs/config.md lists every key)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    overrides = ("CONFIG.yaml: a YAML diff over the defaults (conf/*.yaml); key=value: dotted overrides "
-                 "applied after it, e.g. trainer.total_steps=200 data.train_files=[a.parquet,b.parquet] "
-                 "(every key: docs/config.md, or `rlflow config`)")
-    for name, text in (("train", "RL (GRPO and relatives, PPO); no arguments: the embedded default on the CPU"),
-                       ("dpo", "DPO on preference pairs"), ("sft", "supervised fine-tuning on prompt/response rows"),
-                       ("config", "print the resolved config")):
+    overrides = ("RECIPE: a shipped recipe's name (`rlflow recipes`) or a YAML file of differences from the "
+                 "defaults; key=value: dotted overrides applied after it, e.g. trainer.total_steps=200 "
+                 "data.train_files=[a.parquet,b.parquet] (every key: docs/config.md, or `rlflow config`)")
+    for name, text in (("train", "run a recipe (RL, or its own job); no recipe and no model: the embedded demo"),
+                       ("dpo", "DPO on preference pairs"), ("sft", "supervised fine-tuning on chat or "
+                                                                    "prompt/response rows"),
+                       ("config", "print the resolved config, for the recipe's job")):
         cmd = sub.add_parser(name, help=text, description=text, epilog=overrides)
-        cmd.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
+        cmd.add_argument("args", nargs="*", metavar="[RECIPE] key=value")
+        cmd.add_argument("--config", metavar="RECIPE", help="the recipe, a name or a YAML file")
+    sub.add_parser("recipes", help="list the shipped recipes")
     exp = sub.add_parser("export", help="write a checkpoint's policy as a HF directory")
     exp.add_argument("source", help="a checkpoint directory, or a run's trainer.output_dir")
     exp.add_argument("dest")
-    data = sub.add_parser("data", help="convert GSM8K/MATH-style jsonl/parquet into rlflow rows")
+    data = sub.add_parser("data", help="GSM8K/MATH rows as rlflow rows: a file converted, or the Hub's fetched")
     data.add_argument("format", choices=["gsm8k", "math"])
-    data.add_argument("src")
-    data.add_argument("dst", help=".parquet or .jsonl")
+    data.add_argument("paths", nargs="+", metavar="[SRC] DST",
+                      help="SRC DST: convert a jsonl/json/parquet file to DST (.parquet or .jsonl); DST alone: "
+                           "fetch the format's Hub dataset and write DST/train.parquet and DST/test.parquet")
     data.add_argument("--data-source", default=None,
                       help="the rows' data_source, which picks the built-in scorer (default: openai/gsm8k or math)")
     data.add_argument("--instruction", default=None, help="appended to each question")
-    data.add_argument("--split", default="train", help="recorded in each row's extra_info")
+    data.add_argument("--split", default="train", help="recorded in each converted row's extra_info")
     ev = sub.add_parser("eval", help="accuracy, mean@k and pass@k of a checkpoint or HF directory on data.val_files",
                         epilog=overrides)
     ev.add_argument("source", help="a checkpoint directory, a run's trainer.output_dir, or a HF model directory")
-    ev.add_argument("args", nargs="*", metavar="[CONFIG.yaml] key=value")
+    ev.add_argument("args", nargs="*", metavar="[RECIPE] key=value")
+    ev.add_argument("--config", metavar="RECIPE", help="the recipe, a name or a YAML file")
     ns = parser.parse_args(argv)
-    # MLflow's HTTP client retries a dead server for minutes per call by default; the tracker
-    # buffers through outages instead, so fail fast.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
-    quiet_libraries()
-    loopback_only()
-    if ns.command == "data":
-        from rlflow.engine.data.convert import convert
-
-        try:
-            counts = convert(ns.src, ns.dst, ns.format, ns.data_source, ns.instruction, ns.split)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"rlflow: {e}", file=sys.stderr)
-            return 2
-        print(f"rlflow: wrote {counts['written']} of {counts['rows']} rows to {ns.dst}; "
-              + ", ".join(f"{k}={v}" for k, v in counts.items() if k.startswith("skipped")))
+    prepare_environment()
+    if ns.command == "recipes":
+        print(recipes.listing())
         return 0
+    if ns.command == "data":
+        return data_command(ns)
     if ns.command == "export":
         try:
             export(ns.source, ns.dest)
@@ -502,7 +439,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        cfg = parse(ns.args, ns.command if ns.command in ("dpo", "sft") else "rl")
+        gpus = cluster_gpus()
+        cfg = parse(ns.args, ns.command if ns.command in ("dpo", "sft") else None, ns.config, gpus)
+        for line in doubts(cfg, visible_gpus() if gpus is None else gpus):
+            print(f"rlflow: warning: {line}", file=sys.stderr, flush=True)
         if ns.command != "config":
             check_inputs(cfg, model=ns.command != "eval")
     except (ConfigError, FileNotFoundError) as e:
@@ -522,6 +462,30 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(said[0], file=sys.stderr)
         return said[1]
+    return 0
+
+
+def data_command(ns: argparse.Namespace) -> int:
+    """`rlflow data FORMAT [SRC] DST`: a file converted, or the format's Hub dataset fetched and converted."""
+    from rlflow.engine.data.convert import convert, fetch
+
+    if len(ns.paths) > 2:
+        print(f"rlflow: data takes [SRC] DST, got {len(ns.paths)} paths", file=sys.stderr)
+        return 2
+    try:
+        if len(ns.paths) == 2:
+            written = {ns.paths[1]: convert(ns.paths[0], ns.paths[1], ns.format, ns.data_source, ns.instruction,
+                                            ns.split)}
+        else:
+            print(f"rlflow: fetching the {ns.format} dataset from the Hugging Face Hub into its cache", flush=True)
+            splits = fetch(ns.format, ns.paths[0], ns.data_source, ns.instruction)
+            written = {str(Path(ns.paths[0]) / f"{split}.parquet"): counts for split, counts in splits.items()}
+    except (ValueError, FileNotFoundError) as e:
+        print(f"rlflow: {e}", file=sys.stderr)
+        return 2
+    for dst, counts in written.items():
+        print(f"rlflow: wrote {counts['written']} of {counts['rows']} rows to {dst}; "
+              + ", ".join(f"{k}={v}" for k, v in counts.items() if k.startswith("skipped")))
     return 0
 
 

@@ -24,7 +24,7 @@ Invariants:
 - metrics are means over the pairs of every rank (the loss all-reduces its sums);
 - a resumed run continues from the checkpoint's weights, optimizer and loader position.
 
-Run: `rlflow dpo [conf/dpo.yaml] [key=value ...]`.
+Run: `rlflow dpo [RECIPE] [key=value ...]` (the recipes `dpo` and `demo-dpo`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ with a k3 KL loss to the frozen reference). DAPO is this file plus config: clip-
 token-mean loss, overlong reward shaping, and dynamic sampling, which the driver runs before the
 graph (`dynamic_sample`). No reward model in this file.
 
-PPO is this file plus a critic (`algorithm.advantage=gae`, conf/ppo.yaml): a value model, trained
+PPO is this file plus a critic (`algorithm.advantage=gae`, the `demo-ppo` recipe): a value model, trained
 with its own optimizer on the same mini-batches, gives per-token values; the score sits on the last
 response token; GAE(gamma, lambda) turns rewards and values into whitened advantages for the policy
 and returns for the critic. For the first `critic.warmup_steps` steps only the critic learns. It
@@ -35,7 +35,7 @@ new weights, which the pool takes as it starts its next batch (`GRPO._ahead`, `G
 The graph then takes scored batches, as with dynamic sampling. k = 1 is one step off, with the
 same versions every run; from k = 2 the pool never idles, and a batch's version depends on timing.
 
-Run: `rlflow train [conf/x.yaml] [key=value ...]`.
+Run: `rlflow train [RECIPE] [key=value ...]` (`rlflow recipes` lists them).
 """
 
 from __future__ import annotations

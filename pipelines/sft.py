@@ -27,7 +27,7 @@ Invariants:
 - the warm-start directory appears only complete (written to a temp dir, then renamed), so a
   resumed run reuses it instead of training it again.
 
-Run: `rlflow sft [conf/sft.yaml] [key=value ...]`.
+Run: `rlflow sft [RECIPE] [key=value ...]` (the recipes `sft` and `demo-sft`).
 """
 
 from __future__ import annotations

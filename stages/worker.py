@@ -18,6 +18,7 @@ from typing import Any
 import ray
 import torch
 
+from rlflow.engine import hub
 from rlflow.engine.tensors import tcp_store
 
 
@@ -30,7 +31,10 @@ class StageWorker:
         self.stages: dict[str, Any] = {}
 
     def add(self, cls: type, kwargs: dict[str, Any]) -> None:
-        """Build stage `cls` here; calls reach it by its class's name."""
+        """Build stage `cls` here; calls reach it by its class's name. A model from the Hub that the
+        driver fetched on another node is fetched here too, at the same commit."""
+        if "model_path" in kwargs:
+            kwargs = {**kwargs, "model_path": hub.local(kwargs["model_path"])}
         self.stages[cls.__name__] = cls(**kwargs)
 
     def run(self, stage: str, verb: str, *args: Any) -> Any:

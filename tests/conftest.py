@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,23 @@ def reward_model_dir(tmp_path_factory) -> Path:
     AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def plant(cache: Path, repo: str, files: Path, kind: str = "model", commit: str = "a" * 40) -> Path:
+    """A Hugging Face cache holding `files` (a folder) as repo `repo`'s main revision, laid out as
+    huggingface_hub lays out what it downloads (refs/main naming the commit, snapshots/<commit>/):
+    what a user's cache holds once a download has run. Returns the snapshot directory."""
+    org, name = repo.split("/")
+    root = cache / f"{kind}s--{org}--{name}"
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / "main").write_text(commit)
+    shutil.copytree(files, root / "snapshots" / commit, dirs_exist_ok=True)
+    return root / "snapshots" / commit
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory, model_dir) -> tuple[Path, str]:
+    """(a HF hub cache directory, a model id in it): the tiny model as if downloaded from the Hub."""
+    cache = tmp_path_factory.mktemp("hf") / "hub"
+    plant(cache, "rlflow-test/tiny-qwen2", model_dir)
+    return cache, "rlflow-test/tiny-qwen2"

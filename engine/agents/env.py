@@ -35,7 +35,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from rlflow.engine.agents.tools import Tool
+    from rlflow.engine.data.prompts import Prompt
 
 
 @dataclass
@@ -43,6 +47,19 @@ class Step:
     observation: str | list[dict] | None  # None: nothing to add (only with done)
     reward: float = 0.0
     done: bool = False
+
+
+class Environment(Protocol):
+    """An environment class's shape (the module docstring says how an episode uses it); `tools`,
+    `tool_parser` and `overlap` are optional."""
+
+    tools: ClassVar[list[Tool]]
+    tool_parser: ClassVar[str]  # "hermes" (the default) or "compact"
+    overlap: ClassVar[bool]
+
+    def __init__(self, prompt: Prompt) -> None: ...
+
+    def step(self, response: str) -> Step: ...
 
 
 def check_environment(env_class: Any) -> None:

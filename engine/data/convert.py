@@ -1,4 +1,5 @@
-"""Raw GSM8K / MATH files in, verl-shaped prompt files out, ready for ``engine.data.prompts.load_prompts``.
+"""Raw GSM8K / MATH files in, verl-shaped prompt files out, ready for ``engine.data.prompts.load_prompts``;
+with no file given, their Hub datasets (``HUB``), fetched into the HF cache (``fetch``).
 
 A written row holds ``data_source``, ``prompt`` (one user message: the question plus an
 instruction), ``ability`` ("math"), ``reward_model`` ({"style": "rule", "ground_truth"}) and
@@ -34,11 +35,15 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlflow.engine import hub
 from rlflow.engine.data.rewards import last_boxed
 
 log = logging.getLogger("rlflow.convert")
 FORMATS = ("gsm8k", "math")
 DATA_SOURCES = {"gsm8k": "openai/gsm8k", "math": "math"}
+HUB = {"gsm8k": ("openai/gsm8k", "main/*.parquet"),  # the Hub dataset of each format, and its files
+       "math": ("DigitalLearningGmbH/MATH-lighteval", "data/*.parquet")}
+SPLITS = ("train", "test")
 INSTRUCTIONS = {"gsm8k": ' Let\'s think step by step and output the final answer after "####".',
                 "math": " Let's think step by step and put the final answer in \\boxed{}."}
 _GSM8K_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -143,9 +148,24 @@ def _write(rows: list[dict], dst: str) -> None:
         raise
 
 
-def convert(src: str, dst: str, fmt: str, data_source: str | None = None, instruction: str | None = None,
-            split: str = "train") -> dict[str, int]:
-    """Convert ``src`` (format ``fmt``) to verl-shaped rows in ``dst``; returns row counts.
+def fetch(fmt: str, out_dir: str, data_source: str | None = None,
+          instruction: str | None = None) -> dict[str, dict[str, int]]:
+    """The Hub dataset of format ``fmt``, fetched into the HF cache (raises ``hub.HubError`` where
+    it cannot be) and converted to ``out_dir/{train,test}.parquet``; {split: row counts}."""
+    repo, pattern = HUB[fmt]
+    snapshot = Path(hub.fetch(repo, "dataset", [pattern]))
+    shards = {split: sorted(str(p) for p in snapshot.glob(pattern) if p.name.startswith(split)) for split in SPLITS}
+    for split, paths in shards.items():
+        if not paths:
+            raise ValueError(f"{repo}: no {split} split among its files {pattern} (at {snapshot})")
+    return {split: convert(paths, str(Path(out_dir) / f"{split}.parquet"), fmt, data_source, instruction, split)
+            for split, paths in shards.items()}
+
+
+def convert(src: str | list[str], dst: str, fmt: str, data_source: str | None = None,
+            instruction: str | None = None, split: str = "train") -> dict[str, int]:
+    """Convert ``src`` (format ``fmt``; a file, or a split's shards in order) to verl-shaped rows in
+    ``dst``; returns row counts.
 
     Counts are {"rows", "written", "skipped", "skipped/<reason>"...}. Raises ValueError for an
     unknown format or output type, or when no row is usable (naming ``src``), and FileNotFoundError
@@ -159,7 +179,8 @@ def convert(src: str, dst: str, fmt: str, data_source: str | None = None, instru
     suffix = INSTRUCTIONS[fmt] if instruction is None else instruction
     counts: Counter[str] = Counter(rows=0, written=0, skipped=0)
     rows = []
-    for index, row in enumerate(_read(str(src))):
+    sources = [src] if isinstance(src, str) else src
+    for index, row in enumerate(row for path in sources for row in _read(str(path))):
         counts["rows"] += 1
         try:
             if isinstance(row, _Skip):

@@ -3,8 +3,10 @@
 A prompt row (parquet, jsonl or json) holds ``prompt`` (chat messages ``[{"role", "content"}]``, or a
 plain string taken as one user message), ``data_source``, ``reward_model.ground_truth`` and an
 optional ``extra_info`` dict. A preference row (``load_pairs``, for DPO) holds ``prompt``,
-``chosen``, ``rejected`` and an optional ``data_source``. A supervised row (``load_examples``, for SFT)
-holds ``prompt`` and ``response`` (a string), or is a prompt row whose ground truth is the response.
+``chosen``, ``rejected`` (strings, or TRL's conversational form: chat messages, the prompt
+implicit in their shared turns) and an optional ``data_source``. A supervised row (``load_examples``,
+for SFT) holds ``messages`` (a conversation), or ``prompt`` and ``response`` or ``completion``
+(a string or chat turns), or is a prompt row whose ground truth is the response.
 
 Invariants:
 - a prompt (or an answer, or a response) is never truncated: over its token budget is skipped and counted
@@ -225,21 +227,42 @@ class Pair:
 
 def load_pairs(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_response_tokens: int,
                overlong: str = "skip") -> tuple[list[Pair], dict[str, int]]:
-    """Rows with ``prompt`` (chat messages or a string), ``chosen`` and ``rejected`` (strings) and an
-    optional ``data_source``, as Pairs; skips are counted like ``load_prompts``'s, and a pair whose
-    answers are the same text is malformed (``same_answer``)."""
+    """Rows with ``prompt`` (chat messages or a string), ``chosen`` and ``rejected`` and an optional
+    ``data_source``, as Pairs. The answers are strings, or TRL's conversational form: each a list of
+    chat messages ending in the assistant's answer, the prompt either given or the turns both share.
+    Skips are counted like ``load_prompts``'s, and a pair whose answers are the same text is
+    malformed (``same_answer``)."""
     def make(row: dict) -> Pair:
-        messages = _messages(row.get("prompt"))
+        messages, chosen_text, rejected_text = _preference(row)
         source = row.get("data_source")
         source = "preference" if source is None else _text(source, "data_source")
-        if _text(row.get("chosen"), "chosen").strip() == _text(row.get("rejected"), "rejected").strip():
+        if chosen_text.strip() == rejected_text.strip():
             raise _Skip("same_answer")
-        chosen, rejected = (_answer(tokenizer, _text(row.get(k), k), k, max_response_tokens)
-                            for k in ("chosen", "rejected"))
+        chosen, rejected = (_answer(tokenizer, text, k, max_response_tokens)
+                            for k, text in (("chosen", chosen_text), ("rejected", rejected_text)))
         ids, text = _prompt_ids(tokenizer, messages, max_prompt_tokens)
         return Pair(ids, chosen, rejected, source, text)
 
     return _load(files, make, overlong, "pair")
+
+
+def _preference(row: dict) -> tuple[list[dict], str, str]:
+    """(prompt messages, chosen text, rejected text) of a preference row, plain or conversational."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if not isinstance(chosen, (list, np.ndarray)):  # plain: the answers are the texts
+        return _messages(row.get("prompt")), _text(chosen, "chosen"), _text(rejected, "rejected")
+    if not isinstance(rejected, (list, np.ndarray)):
+        raise _Skip("rejected_type")
+    chosen, rejected = _messages(list(chosen)), _messages(list(rejected))
+    if chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant":
+        raise _Skip("answer_not_assistant")
+    if row.get("prompt") is not None:  # explicit prompt: each answer is one assistant turn
+        if len(chosen) != 1 or len(rejected) != 1:
+            raise _Skip("answer_turns")
+        return _messages(row["prompt"]), chosen[0]["content"], rejected[0]["content"]
+    if len(chosen) < 2 or chosen[:-1] != rejected[:-1]:  # implicit prompt: the turns both share
+        raise _Skip("no_shared_prompt")
+    return chosen[:-1], chosen[-1]["content"], rejected[-1]["content"]
 
 
 class Example(NamedTuple):
@@ -250,16 +273,21 @@ class Example(NamedTuple):
 
 def load_examples(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_response_tokens: int,
                   overlong: str = "skip", tools: list[dict] | None = None) -> tuple[list[Example], dict[str, int]]:
-    """Supervised examples: rows with ``prompt`` and ``response`` (a string; or, for a multi-turn
-    demonstration, chat messages: assistant turns, trained on, and tool or user turns between them,
-    rendered by the chat template with `tools` offered and not trained on), or prompt rows whose
-    ``reward_model.ground_truth`` is the response; eos is appended. Skips are counted like
-    ``load_prompts``'s."""
+    """Supervised examples, from rows of one of these shapes (TRL's among them):
+    - ``messages``: a conversation; the turns before the first assistant turn are the prompt, and
+      the rest a demonstration (below);
+    - ``prompt`` and ``response`` or ``completion``: a string, or a demonstration's chat messages:
+      assistant turns, trained on, and tool or user turns between them, rendered by the chat
+      template with `tools` offered and not trained on;
+    - a prompt row whose ``reward_model.ground_truth`` is the response.
+    eos ends each assistant turn. Skips are counted like ``load_prompts``'s."""
     def make(row: dict) -> Example:
-        messages = _messages(row.get("prompt"))
         if row.get("data_source") is not None:
             _text(row["data_source"], "data_source")
-        text = row.get("response")
+        if row.get("messages") is not None:
+            return _conversation(row["messages"])
+        messages = _messages(row.get("prompt"))
+        text = row.get("response") if row.get("response") is not None else row.get("completion")
         if isinstance(text, (list, np.ndarray)):  # a multi-turn demonstration
             return _demonstration(tokenizer, messages, _messages(list(text)), tools, max_prompt_tokens,
                                   max_response_tokens)
@@ -271,6 +299,15 @@ def load_examples(files: list[str], tokenizer: Any, max_prompt_tokens: int, max_
             text = text if isinstance(text, (str, bytes)) else str(text)
         response = _answer(tokenizer, _text(text, "response"), "response", max_response_tokens)
         return Example(_prompt_ids(tokenizer, messages, max_prompt_tokens, tools)[0], response)
+
+    def _conversation(value: Any) -> Example:
+        turns = _messages(list(value) if isinstance(value, (list, np.ndarray)) else value)
+        first = next((i for i, m in enumerate(turns) if m["role"] == "assistant"), None)
+        if first is None:
+            raise _Skip("no_assistant_turn")
+        if first == 0:
+            raise _Skip("no_prompt")
+        return _demonstration(tokenizer, turns[:first], turns[first:], tools, max_prompt_tokens, max_response_tokens)
 
     return _load(files, make, overlong, "example")
 

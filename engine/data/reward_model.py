@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from rlflow.engine import hub
 from rlflow.engine.tensors import left_pad
 from rlflow.engine.train.batching import micro_batches
 from rlflow.engine.train.fsdp import DTYPES
@@ -25,6 +26,7 @@ from rlflow.engine.train.fsdp import DTYPES
 
 class RewardModel:
     def __init__(self, path: str, dtype: str = "float32", device: str = "cpu", budget_tokens: int = 4096) -> None:
+        path = hub.local(path)  # a Hub snapshot another node fetched: the same commit, here
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model: Any = AutoModelForSequenceClassification.from_pretrained(path, dtype=DTYPES[dtype])
         if self.model.config.num_labels != 1:

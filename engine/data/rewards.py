@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rlflow.engine.data import task
 from rlflow.engine.data.sandbox import run_python
@@ -44,6 +44,14 @@ log = logging.getLogger("rlflow.reward")
 # A trailing "." is not part of the number, so "$5." reads as 5.
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
 _PYTHON_BLOCK = re.compile(r"```python[^\n]*\n(.*?)```", re.DOTALL)
+
+
+class ComputeScore(Protocol):
+    """A reward function's shape (verl's): a score for one decoded response, or a dict holding
+    "score" and other numbers to log (`reward/<key>/mean`)."""
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: str,
+                 extra_info: dict | None = None) -> float | dict[str, float]: ...
 
 
 def load_function(spec: str, what: str = "reward function") -> Callable:

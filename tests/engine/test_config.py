@@ -4,14 +4,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlflow.engine import algos
+from rlflow.engine import algos, recipes
 from rlflow.engine.config import (
+    AUTO_KEYS,
     CHOICES,
-    Config,
     ConfigError,
-    _coerce,
     _flatten,
     all_keys,
+    doubts,
+    job_of,
     load_config,
     meanings,
     override,
@@ -136,29 +137,133 @@ def test_drgrpo_with_one_sample_is_still_a_group_error():
 
 
 CONFS = sorted((ROOT / "conf").glob("*.yaml"))
+USER = ["model.path=/models/m", "data.train_files=[train.parquet]", "data.val_files=[test.parquet]"]
 
 
-def job_of_conf(path: Path) -> str:
-    """The job a shipped config is run as: `rlflow dpo conf/dpo.yaml`, `rlflow sft conf/sft.yaml`."""
-    return path.stem if path.stem in ("dpo", "sft") else "rl"
+def needs_user(path: Path) -> list[str]:
+    """A recipe for the user's model runs with their model and data; the demo's bring their own."""
+    return [] if recipes.read(path)[1][0].get("model", {}).get("path") == "embedded" else USER
 
 
 @pytest.mark.parametrize("path", CONFS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    job = job_of_conf(path)
-    cfg = load_config(path, job=job)
+    job = recipes.read(path)[0] or "rl"
+    cfg = load_config(path, needs_user(path))
+    assert job_of(cfg) == job
     again = load_config(None, [f"{k}={v}" for k, v in _flat(to_dict(cfg)).items() if v not in ([], "")], job)
     assert again == cfg
 
 
 @pytest.mark.parametrize("path", CONFS, ids=lambda p: p.name)
-def test_shipped_configs_hold_only_differences(path):
-    # a restated default would pin today's value silently when the default changes
-    types, default = all_keys(), _flat(to_dict(Config()))
-    diff = _flatten(yaml.safe_load(path.read_text()) or {})
-    restated = [k for k, v in diff.items() if _coerce(k, v, types[k]) == default[k]]
-    assert not restated, f"{path.name} restates defaults: {restated}"
-    assert "algorithm.name" not in diff, "algorithm.name is derived: the command picks sft/dpo"
+def test_shipped_configs_hold_only_differences(path, tmp_path):
+    # a restated default (or a base's value) would pin today's value silently when that one changes
+    layer = yaml.safe_load(path.read_text()) or {}
+    meta = {k: layer.pop(k) for k in recipes.META if k in layer}
+    whole = to_dict(load_config(path, needs_user(path), gpus=1))
+    restated = []
+    for key in _flatten(layer):
+        section, name = key.split(".")
+        without = {s: {n: v for n, v in values.items() if f"{s}.{n}" != key} for s, values in layer.items()}
+        (tmp_path / "r.yaml").write_text(yaml.safe_dump({**meta, **without}))
+        try:
+            alone = to_dict(load_config(tmp_path / "r.yaml", needs_user(path), gpus=1))
+        except ConfigError:  # the others need it (a critic's warm-up needs the critic's estimator)
+            continue
+        if alone[section][name] == whole[section][name]:
+            restated.append(key)
+    assert not restated, f"{path.name} restates what it would have anyway: {restated}"
+    assert "algorithm.name" not in _flatten(layer), "algorithm.name is derived: the command picks sft/dpo"
+
+
+REAL = [p for p in CONFS if needs_user(p)]
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.stem)
+def test_a_recipe_for_the_users_model_resolves_to_real_settings(path):
+    """bf16 on one GPU a worker where one is visible, real token limits, and nothing to warn about."""
+    cfg = load_config(path.stem, USER, gpus=1)
+    assert (cfg.model.dtype, cfg.rollout.dtype, cfg.placement.gpus_per_worker) == ("bfloat16", "bfloat16", 1.0)
+    assert cfg.rollout.max_new_tokens >= 512 and cfg.data.max_prompt_tokens >= 512 and cfg.warmstart.steps == 0
+    assert cfg.actor.lr <= 2e-5 and doubts(cfg, gpus=1) == []
+
+
+def test_a_users_model_without_a_recipe_gets_the_defaults_for_real_models():
+    on_gpu, on_cpu = load_config(None, USER, gpus=1), load_config(None, USER, gpus=0)
+    assert (on_gpu.model.dtype, on_gpu.rollout.dtype, on_gpu.placement.gpus_per_worker) == ("bfloat16", "bfloat16", 1)
+    assert (on_cpu.model.dtype, on_cpu.rollout.dtype, on_cpu.placement.gpus_per_worker) == ("float32", "float32", 0)
+    for cfg in (on_gpu, on_cpu):
+        assert (cfg.rollout.max_new_tokens, cfg.data.max_prompt_tokens, cfg.actor.lr) == (1024, 1024, 1e-6)
+        assert (cfg.warmstart.steps, cfg.warmstart.stop_accuracy) == (0, 0)
+    assert doubts(on_cpu, gpus=0) == []
+    assert load_config(None, [*USER, "placement.gpus_per_worker=0"], gpus=1).model.dtype == "float32"
+
+
+@pytest.mark.parametrize("job,lora,lr", [("rl", 0, 1e-6), ("dpo", 0, 1e-6), ("sft", 0, 2e-5), ("rl", 64, 1e-5),
+                                         ("sft", 16, 2e-4)])
+def test_the_learning_rate_follows_the_job_and_lora(job, lora, lr):
+    assert load_config(None, [*USER, f"actor.lora_rank={lora}"], job, gpus=0).actor.lr == lr
+    assert load_config(None, [*USER, "actor.lr=3e-6"], job, gpus=0).actor.lr == 3e-6
+
+
+def test_settings_that_look_like_a_mistake_are_named():
+    said = doubts(load_config(None, [*USER, "placement.gpus_per_worker=0", "rollout.max_new_tokens=8"], gpus=1),
+                  gpus=1)
+    assert len(said) == 2 and "placement.gpus_per_worker" in said[0] and "rollout.max_new_tokens=8" in said[1]
+    assert doubts(load_config(gpus=1), gpus=1) == []  # the demo is meant to be small and on the CPU
+
+
+def test_auto_is_accepted_and_never_left_in_a_loaded_config():
+    cfg = load_config("demo", ["model.dtype=auto", "placement.gpus_per_worker=auto", "actor.lr=auto"], gpus=1)
+    assert (cfg.model.dtype, cfg.placement.gpus_per_worker, cfg.actor.lr) == ("bfloat16", 1.0, 1e-6)
+    flat = _flat(to_dict(load_config(None, USER, gpus=0)))
+    assert all(flat[key] not in ("auto", -1) for key in AUTO_KEYS)
+
+
+def test_a_recipe_builds_on_its_base_and_carries_its_job(tmp_path):
+    (tmp_path / "mine.yaml").write_text("base: demo-dpo\ntrainer:\n  total_steps: 7\n")
+    cfg = load_config(tmp_path / "mine.yaml")
+    assert (cfg.algorithm.name, cfg.trainer.total_steps, cfg.dpo.nll_coef, cfg.model.path) == ("dpo", 7, 1.0, "embedded")
+    with pytest.raises(ConfigError, match="a recipe for dpo, not sft: run `rlflow dpo"):
+        load_config(tmp_path / "mine.yaml", job="sft")
+    (tmp_path / "a.yaml").write_text(f"base: {tmp_path / 'b.yaml'}\n")
+    (tmp_path / "b.yaml").write_text(f"base: {tmp_path / 'a.yaml'}\n")
+    with pytest.raises(ConfigError, match="circle"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="no recipe or file named 'gsm9k'.*gsm8k"):
+        load_config("gsm9k")
+    (tmp_path / "empty.yaml").write_text("{}\n")  # a recipe of the user's own names no demo
+    with pytest.raises(ConfigError, match="model.path is not set"):
+        load_config(tmp_path / "empty.yaml")
+
+
+@pytest.mark.parametrize("key,answer", [
+    ("rollout.n", "rollout.samples_per_prompt"),
+    ("actor_rollout_ref.rollout.n", "rollout.samples_per_prompt"),
+    ("data.train_batch_size", "data.prompts_per_step"),
+    ("actor_rollout_ref.actor.optim.lr", "actor.lr"),
+    ("critic.optim.lr", "critic.lr"),
+    ("actor.learning_rate", "actor.lr"),
+    ("learning_rate", "actor.lr"),
+    ("trainer.max_steps", "trainer.total_steps"),
+    ("num_generations", "rollout.samples_per_prompt"),
+    ("max_completion_length", "rollout.max_new_tokens"),
+    ("data.max_response_length", "rollout.max_new_tokens"),
+    ("beta", "actor.kl_loss_coef (RL's KL term) or dpo.beta"),
+    ("algorithm.adv_estimator", "algorithm.advantage"),
+    ("n_samples_per_prompt", "rollout.samples_per_prompt"),
+])
+def test_names_from_verl_trl_and_openrlhf_are_answered_with_rlflows_key(key, answer):
+    with pytest.raises(ConfigError, match=f"unknown config key '{re.escape(key)}': .* is {re.escape(answer)}"):
+        load_config(None, [f"{key}=1"])
+
+
+def test_a_key_without_a_value_is_named():
+    with pytest.raises(ConfigError, match="'actor.lr' is a config key without a value: write actor.lr=VALUE"):
+        load_config("actor.lr")
+    with pytest.raises(ConfigError, match="'rollout.n' is a config key without a value"):
+        load_config(None, ["rollout.n"])
+    with pytest.raises(ConfigError, match="'whatever' is not key=value"):
+        load_config(None, ["whatever"])
 
 
 def _flat(d, prefix=""):
@@ -171,8 +276,8 @@ def _flat(d, prefix=""):
 def test_readme_config_reference_lists_every_key():
     text = (ROOT / "docs" / "config.md").read_text()
     documented = set(re.findall(r"^\| `([a-z_.]+)` \|", text, re.M))
-    assert documented == set(all_keys()), "regenerate: python -m rlflow.engine.config > docs/config.md"
-    assert reference_markdown() in text, "regenerate: python -m rlflow.engine.config > docs/config.md"
+    assert documented == set(all_keys()), "regenerate: python -m rlflow.engine.config docs/config.md"
+    assert reference_markdown() in text, "regenerate: python -m rlflow.engine.config docs/config.md"
 
 
 def test_every_key_has_a_meaning_within_the_budget():
@@ -252,7 +357,7 @@ def test_override_keeps_the_name_derived_and_refuses_unknown_keys():
 def test_the_embedded_rl_warm_start_stops_on_an_accuracy():
     cfg = load_config(None, [])
     assert (cfg.warmstart.steps, cfg.warmstart.stop_accuracy) == (4000, 0.4)
-    cfg = load_config(None, ["model.path=/some/model"])
+    cfg = load_config(None, USER)
     assert (cfg.warmstart.steps, cfg.warmstart.stop_accuracy) == (0, 0)  # a user's model: no warm start
 
 

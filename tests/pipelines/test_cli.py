@@ -32,6 +32,48 @@ def test_config_errors_exit_2_with_the_closest_key(tmp_path):
 
 
 
+def rlflow(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "rlflow"), *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={**os.environ, **env})
+
+
+def test_recipes_by_name_from_any_directory(tmp_path):
+    """From a directory outside the repo: the list, a recipe by name or by --config resolved as its
+    job, and a bare key or an unknown name refused in one line."""
+    import yaml
+
+    from rlflow.engine import recipes
+
+    listed = rlflow("recipes", cwd=tmp_path)
+    assert listed.returncode == 0 and all(f"{name} " in listed.stdout for name in recipes.shipped())
+    for args in (["demo-sft"], ["--config", "demo-sft"], ["--config", str(ROOT / "conf" / "demo-sft.yaml")]):
+        shown = rlflow("config", *args, "trainer.total_steps=5", cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        cfg = yaml.safe_load(shown.stdout)
+        assert (cfg["algorithm"]["name"], cfg["trainer"]["total_steps"], cfg["actor"]["lr"]) == ("sft", 5, 1e-3)
+    for args, said in ((["train", "actor.lr"], "'actor.lr' is a config key without a value: write actor.lr=VALUE"),
+                       (["train", "gsm9k"], "no recipe or file named 'gsm9k'"),
+                       (["sft", "demo-dpo"], "demo-dpo is a recipe for dpo, not sft: run `rlflow dpo demo-dpo`"),
+                       (["config", "rollout.n=8"], "verl's rollout.n is rollout.samples_per_prompt here")):
+        refused = rlflow(*args, cwd=tmp_path)
+        [line] = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and line.startswith("rlflow: config error: ") and said in line, line
+
+
+def test_a_users_model_where_no_gpu_is_visible_resolves_to_the_cpu_in_float32(tmp_path, model_dir):
+    import yaml
+
+    shown = rlflow("config", f"model.path={model_dir}", "data.train_files=[a.parquet]", "data.val_files=[b.parquet]",
+                   cwd=tmp_path, CUDA_VISIBLE_DEVICES="")
+    cfg = yaml.safe_load(shown.stdout)
+    assert (cfg["model"]["dtype"], cfg["rollout"]["dtype"], cfg["placement"]["gpus_per_worker"]) == \
+        ("float32", "float32", 0.0)
+    assert (cfg["rollout"]["max_new_tokens"], cfg["actor"]["lr"]) == (1024, 1e-6) and shown.stderr == ""
+    toy = rlflow("config", f"model.path={model_dir}", "data.train_files=[a.parquet]", "data.val_files=[b.parquet]",
+                 "rollout.max_new_tokens=8", cwd=tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert toy.returncode == 0 and "rlflow: warning: rollout.max_new_tokens=8 cuts a real model's answers" in toy.stderr
+
+
 def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     """(arguments, what the one error line must name) for inputs that cannot be read."""
     (tmp / "no_tokenizer").mkdir()
@@ -41,9 +83,14 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "empty.parquet").write_bytes(b"")
     (tmp / "broken.py").write_text("import not_a_module_anywhere\n")
     (tmp / "envs.py").write_text("class Parser:\n    tool_parser = 'xml'\n\nclass Tools:\n    tools = [print]\n")
+    (tmp / "mystery.jsonl").write_text('{"prompt": "?", "data_source": "mystery", "reward_model": {"ground_truth": 1}}\n'
+                                       * 3)
+    data = ["data.train_files=[embedded]", "data.val_files=[embedded]"]
     return [
-        ([f"model.path={tmp}"], "no config.json"),
-        ([f"model.path={tmp / 'no_tokenizer'}"], "no tokenizer"),
+        ([f"model.path={tmp}", *data], "no config.json"),
+        ([f"model.path={tmp / 'no_tokenizer'}", *data], "no tokenizer"),
+        ([f"data.val_files=[{tmp / 'mystery.jsonl'}]"], f"data.val_files: {tmp / 'mystery.jsonl'}: 3 rows of "
+                                                       "data_source 'mystery', which no built-in scorer reads"),
         (["data.val_files=[/nope.jsonl]"], "/nope.jsonl: no such file"),
         ([f"data.train_files=[{tmp / 'rows.txt'}]"], "unsupported file type"),
         ([f"data.train_files=[{tmp / 'text.parquet'}]"],
@@ -70,6 +117,7 @@ def test_each_unreadable_input_is_named(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(expected)):
             check_inputs(parse(args))
     check_inputs(parse([]))  # the embedded default needs nothing on disk
+    check_inputs(parse([f"data.val_files=[{tmp_path / 'mystery.jsonl'}]", "reward.function=os.path:join"]))
 
 
 def test_unreadable_inputs_are_one_line_before_mlflow_and_ray_start(tmp_path):
@@ -82,7 +130,8 @@ def test_unreadable_inputs_are_one_line_before_mlflow_and_ray_start(tmp_path):
     pd.DataFrame({"prompt": ["1+1="] * 100}).to_parquet(truncated)
     truncated.write_bytes(truncated.read_bytes()[:200])
     for command, args, expected in [
-        ("train", ["model.path=/nonexistent"], "model.path=/nonexistent: no such directory"),
+        ("train", ["model.path=/nonexistent", "data.train_files=[embedded]", "data.val_files=[embedded]"],
+         "model.path=/nonexistent: no such directory"),
         ("train", ["reward.function=nomod:f"], "reward.function=nomod:f: cannot import reward function module 'nomod'"),
         ("train", ["data.train_files=[/nope.parquet]"], "data.train_files: /nope.parquet: no such file"),
         ("eval", [str(model), "data.val_files=[/nope.parquet]"], "data.val_files: /nope.parquet: no such file"),
@@ -168,7 +217,7 @@ def test_help_says_how_to_configure_and_version_names_the_package():
 
     helped = subprocess.run([str(BIN / "rlflow"), "train", "--help"], capture_output=True, text=True, timeout=60)
     text = " ".join(helped.stdout.split())
-    assert helped.returncode == 0 and "the embedded default" in text and "docs/config.md" in text, helped.stdout
+    assert helped.returncode == 0 and "the embedded demo" in text and "docs/config.md" in text, helped.stdout
     version = subprocess.run([str(BIN / "rlflow"), "--version"], capture_output=True, text=True, timeout=60)
     assert version.stdout.strip() == f"rlflow {package_version()}" and package_version() != "(not installed)"
 

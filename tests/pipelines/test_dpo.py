@@ -25,7 +25,7 @@ TINY = ("data.prompts_per_step=16", "actor.mini_batch_prompts=16", "data.val_max
 
 def rlflow_dpo(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     train = task.build_pairs(tmp_path / "pairs", n_train=16, n_val=1, seed=3)["train"]
-    cmd = [str(BIN / "rlflow"), "dpo", str(ROOT / "conf" / "dpo.yaml"), f"trainer.output_dir={tmp_path / 'out'}",
+    cmd = [str(BIN / "rlflow"), "dpo", str(ROOT / "conf" / "demo-dpo.yaml"), f"trainer.output_dir={tmp_path / 'out'}",
            f"data.train_files=[{train}]", *TINY, *overrides]  # held-out: the embedded validation pairs
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -52,7 +52,7 @@ def test_dpo_run_widens_the_margin_logs_and_exports(dpo_run):
                 "val/nll"):
         assert sorted(m[key]) == [0, 4, 8], key
     # before any update the policy is the reference: every implicit reward is 0 and the DPO part of
-    # the loss is ln 2; conf/dpo.yaml adds the chosen answers' NLL (dpo.nll_coef=1)
+    # the loss is ln 2; conf/demo-dpo.yaml adds the chosen answers' NLL (dpo.nll_coef=1)
     assert run.data.params["dpo.nll_coef"] == "1.0" and m["val/nll"][0] > 0
     assert m["val/loss"][0] - m["val/nll"][0] == pytest.approx(math.log(2), abs=1e-5) and m["val/reward_margin"][0] == 0
     assert m["dpo/loss"][1] - m["dpo/nll"][1] == pytest.approx(math.log(2), abs=1e-5) and m["dpo/reward_margin"][1] == 0

@@ -398,9 +398,9 @@ def test_mlflow_run_makes_exactly_one_run(tmp_path):
 # Each shipped algorithm config, shrunk to one tiny step, and the metrics only it logs.
 # The shipped configs that change what the driver does; those that change only the loss or the
 # advantage (gspo, cispo, drgrpo) update through the verbs in tests/stages/test_policy.py, and
-# remax.yaml runs below with dynamic sampling on top.
+# demo-remax.yaml runs below with dynamic sampling on top.
 ALGORITHMS = {
-    "dapo.yaml": ("dynamic_sampling/rounds", "dynamic_sampling/varied_groups", "reward/overlong_penalty/mean"),
+    "demo-dapo.yaml": ("dynamic_sampling/rounds", "dynamic_sampling/varied_groups", "reward/overlong_penalty/mean"),
 }
 ONE_TINY_STEP = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.max_new_tokens=4",
                  "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16", "trainer.total_steps=1",
@@ -424,7 +424,7 @@ def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
     out = tmp_path / "out"
     start, end = load_file(out / "warmstart" / "model.safetensors"), load_file(out / "hf_model" / "model.safetensors")
     assert any(not torch.equal(start[k], end[k]) for k in start)
-    if conf == "dapo.yaml":  # dynamic sampling: bounded rounds; a short step is topped up and counted
+    if conf == "demo-dapo.yaml":  # dynamic sampling: bounded rounds; a short step is topped up and counted
         rounds, varied = metrics["dynamic_sampling/rounds"][1], metrics["dynamic_sampling/varied_groups"][1]
         assert 1 <= rounds <= 10
         assert metrics["dynamic_sampling/topped_up_groups"][1] == max(0, 8 - varied)
@@ -452,7 +452,7 @@ def test_the_warm_start_ends_once_held_out_training_prompts_reach_its_accuracy(t
 def test_remax_with_dynamic_sampling_scores_the_kept_prompts_greedy_answers(tmp_path):
     """The driver generates the rounds, and then the greedy answers of the prompts it kept."""
     rlflow(tmp_path, "out", *ONE_TINY_STEP, "algorithm.dynamic_sampling_tries=3", "rollout.samples_per_prompt=2",
-           "placement.workers=2", conf="remax.yaml")
+           "placement.workers=2", conf="demo-remax.yaml")
     client, run = only_run(tmp_path)
     m = run.data.metrics
     assert 1 <= m["dynamic_sampling/rounds"] <= 3 and 0 <= m["reward/greedy_baseline/mean"] <= 1

@@ -30,10 +30,10 @@ def command(job: str, tmp_path: Path, model_dir: Path) -> list[str]:
                 *common[1:3], f"trainer.output_dir={tmp_path}/out"]
     if job == "sft":
         data = task.build_data(tmp_path / "data", n_train=16, n_val=1, seed=3)["train"]
-        return [str(BIN / "rlflow"), "sft", str(ROOT / "conf" / "sft.yaml"), f"data.train_files=[{data}]",
+        return [str(BIN / "rlflow"), "sft", str(ROOT / "conf" / "demo-sft.yaml"), f"data.train_files=[{data}]",
                 "data.prompts_per_step=8", "actor.mini_batch_prompts=8", "trainer.total_steps=120", *common]
     data = task.build_pairs(tmp_path / "pairs", n_train=16, n_val=1, seed=3)["train"]
-    return [str(BIN / "rlflow"), "dpo", str(ROOT / "conf" / "dpo.yaml"), f"data.train_files=[{data}]",
+    return [str(BIN / "rlflow"), "dpo", str(ROOT / "conf" / "demo-dpo.yaml"), f"data.train_files=[{data}]",
             "data.prompts_per_step=8", "actor.mini_batch_prompts=8", "warmstart.steps=0", "trainer.total_steps=80",
             *common]
 

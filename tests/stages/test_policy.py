@@ -110,10 +110,10 @@ def test_remax_baseline_is_the_scored_greedy_answer(model_dir, data_files, tmp_p
     torch.testing.assert_close(batch.advantages, (batch.scores - batch.baseline_scores)[:, None] * batch.response_mask)
 
 
-@pytest.mark.parametrize("conf", ["gspo.yaml", "cispo.yaml", "drgrpo.yaml"])
+@pytest.mark.parametrize("conf", ["demo-gspo.yaml", "demo-cispo.yaml", "demo-drgrpo.yaml"])
 def test_each_shipped_loss_config_updates_the_policy(conf, model_dir, data_files, tmp_path):
     """The shipped configs that change only the loss or the advantage, through the verbs: one
-    update on their settings moves the weights and logs their loss. (dapo.yaml and remax.yaml,
+    update on their settings moves the weights and logs their loss. (demo-dapo.yaml and demo-remax.yaml,
     which change what the driver does, run end to end in tests/pipelines/test_e2e.py.)"""
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     cfg = load_config(str(Path(__file__).parents[2] / "conf" / conf), [

@@ -294,6 +294,45 @@ def test_a_multi_turn_demonstration_trains_its_assistant_turns_only(tmp_path, to
     assert batch.loss_mask[1].tolist() == batch.response_mask[1].tolist(), "a plain example trains every token"
 
 
+def test_sft_reads_trls_messages_and_prompt_completion_rows(tmp_path, tokenizer) -> None:
+    """TRL's dataset shapes: a conversation (`messages`: the turns before the first assistant turn
+    are the prompt), and prompt/completion as strings or as chat messages."""
+    user = lambda c: {"role": "user", "content": c}  # noqa: E731
+    bot = lambda c: {"role": "assistant", "content": c}  # noqa: E731
+    rows = [{"messages": [user("2+2="), bot("4")]},
+            {"prompt": "2+2=", "completion": "4"},
+            {"prompt": [user("2+2=")], "completion": [bot("4")]},
+            {"messages": [user("2+2="), bot("4"), user("5+5="), bot("10")]},
+            {"messages": [user("2+2=")]}, {"messages": [bot("4"), user("x")]}]
+    examples, counts = load_examples([write_jsonl(tmp_path / "t.jsonl", rows)], tokenizer, 16, 64)
+    assert (counts["kept"], counts["malformed/no_assistant_turn"], counts["malformed/no_prompt"]) == (4, 1, 1)
+    eos, enc = tokenizer.eos_token_id, lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    four = enc("4") + [eos]
+    assert examples[1] == Example(enc("2+2="), four)
+    assert examples[0] == examples[2] == Example(enc("2+2="), four, [1.0] * len(four))
+    from rlflow.engine.agents.episodes import Renderer  # the second user turn, rendered as an episode's observation
+
+    between, ten = Renderer(tokenizer, None)([user("5+5=")], ended=True), enc("10") + [eos]
+    assert examples[3] == Example(enc("2+2="), four + between + ten,
+                                  [1.0] * len(four) + [0.0] * len(between) + [1.0] * len(ten))
+
+
+def test_dpo_reads_trls_conversational_pairs(tmp_path, tokenizer) -> None:
+    """The answers as chat messages: with an explicit prompt, or with the prompt implicit in the
+    turns both conversations share; each gives the same pair as the plain row."""
+    user = lambda c: {"role": "user", "content": c}  # noqa: E731
+    bot = lambda c: {"role": "assistant", "content": c}  # noqa: E731
+    rows = [pair(), {"prompt": [user("1+2=")], "chosen": [bot("3")], "rejected": [bot("4")]},
+            {"chosen": [user("1+2="), bot("3")], "rejected": [user("1+2="), bot("4")]},
+            {"chosen": [user("1+2="), bot("3")], "rejected": [user("1+3="), bot("4")]},
+            {"chosen": [user("1+2="), user("3")], "rejected": [user("1+2="), bot("4")]},
+            {"prompt": [user("1+2=")], "chosen": [bot("3"), bot("3")], "rejected": [bot("4")]}]
+    pairs, counts = load_pairs([write_jsonl(tmp_path / "c.jsonl", rows)], tokenizer, 8, 4)
+    assert (counts["kept"], counts["malformed/no_shared_prompt"], counts["malformed/answer_not_assistant"],
+            counts["malformed/answer_turns"]) == (3, 1, 1, 1)
+    assert pairs[0] == pairs[1] == pairs[2]
+
+
 def test_pairs_batch_keeps_each_pair_together(tokenizer) -> None:
     eos = tokenizer.eos_token_id
     pairs = [Pair([5, 6, 7], [8, eos], [9, 9, eos], "a", "x"), Pair([5], [8, 8, 8, eos], [9, eos], "b", "y")]
