@@ -180,20 +180,30 @@ def test_train_runs_one_hybrid_worker_per_node(cluster, tmp_path):
     assert_three_steps(tmp_path / "mlflow.db")
 
 
-def test_ray_job_submit_runs_the_cli_with_the_shipped_runtime_env_and_a_token(cluster, tmp_path):
-    # the cluster authenticates by token, as `ray start` does by default; a submitting shell without
-    # RAY_AUTH_MODE=token is refused, one with it (and the token's path) runs the job
+def test_ray_job_submit_runs_a_recipe_from_a_users_project_with_a_token(cluster, tmp_path):
+    """The user's project is the job's working directory, first on every process's sys.path, and
+    holds folders named engine, stages and pipelines, which must not shadow rlflow's (each fails
+    loudly if imported); the recipe is named, not a path into the repo. The cluster authenticates
+    by token, as `ray start` does by default: a submitting shell without RAY_AUTH_MODE=token is
+    refused, one with it (and the token's path) runs the job."""
     token = tmp_path / "auth_token"
     token.write_text(secrets.token_hex(32))
     with_token = {**ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+    project = tmp_path / "project"
+    for name in ("engine", "stages", "pipelines"):
+        (project / name).mkdir(parents=True)
+        (project / name / "__init__.py").write_text(f"raise ImportError('the user\\'s own {name} was imported')\n")
+    (project / "my_reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):"
+                                          "\n    return float(solution_str.strip() == ground_truth)\n")
     c = cluster(nodes=1, cpus=2, dashboard=True, env=with_token)
     runtime_env = yaml.safe_load((ROOT / "conf" / "ray" / "runtime_env.yaml").read_text())
-    runtime_env["working_dir"] = str(ROOT)
+    runtime_env["working_dir"] = str(project)
     runtime_env["env_vars"]["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path}/mlflow.db"
     url = f"http://127.0.0.1:{c.dashboard}"
     submit = [str(BIN / "ray"), "job", "submit", "--address", url, "--submission-id", "rlflow-smoke", "--no-wait",
-              "--working-dir", str(ROOT), "--runtime-env-json", json.dumps(runtime_env), "--",
-              "rlflow", "train", "conf/smoke.yaml", f"trainer.output_dir={tmp_path / 'out'}", "trainer.val_every=0"]
+              "--working-dir", str(project), "--runtime-env-json", json.dumps(runtime_env), "--",
+              "rlflow", "train", "smoke", "reward.function=my_reward.py:compute_score",
+              f"trainer.output_dir={tmp_path / 'out'}", "trainer.val_every=0"]
     without = {k: v for k, v in ENV.items() if k != "RAY_AUTH_MODE"}
     refused = subprocess.run(submit, env=without, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "token" in (refused.stdout + refused.stderr).lower(), refused.stderr[-2000:]

@@ -57,7 +57,8 @@ def rlflow(tmp_path: Path, out: str, *overrides: str, timeout: int = 400,
            conf: str = "smoke.yaml") -> subprocess.CompletedProcess:
     reward = tmp_path / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
-    cmd = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / conf), f"trainer.output_dir={tmp_path / out}",
+    # the recipe by name, from a directory outside the repo, as a user runs it
+    cmd = [str(BIN / "rlflow"), "train", Path(conf).stem, f"trainer.output_dir={tmp_path / out}",
            f"reward.function={reward}:compute_score", *overrides]
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -377,6 +378,24 @@ def test_tensor_parallel_generation_agrees_with_the_trainer(tmp_path):
     diff = history(client, run.info.run_id)["training/rollout_probs_diff_max"]
     assert [step for step, _ in diff] == [1, 2]
     assert max(v for _, v in diff) < 1e-5, diff
+
+
+def test_a_notebook_trains_through_the_python_api(tmp_path):
+    """`rlflow.train(recipe, overrides)` runs the job the CLI runs and returns its MLflow run id; a
+    setting that cannot work is a ConfigError before anything starts."""
+    import rlflow
+
+    with pytest.raises(rlflow.ConfigError, match="verl's rollout.n is rollout.samples_per_prompt"):
+        rlflow.train("smoke", {"rollout.n": 4})
+    settings = {"trainer.output_dir": str(tmp_path / "out"), "trainer.total_steps": 1, "warmstart.steps": 1,
+                "data.val_max_prompts": 8}
+    code = f"import rlflow\nprint('run', rlflow.train('smoke', {settings!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env(tmp_path), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    client, run = only_run(tmp_path)
+    assert proc.stdout.splitlines()[-1] == f"run {run.info.run_id}" and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1]
 
 
 def test_mlflow_run_makes_exactly_one_run(tmp_path):

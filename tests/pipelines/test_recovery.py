@@ -20,8 +20,10 @@ from rlflow.engine.data import task
 pytestmark = pytest.mark.slow
 
 
-def command(job: str, tmp_path: Path, model_dir: Path) -> list[str]:
-    """A job long enough (many small steps) that a fault lands mid-run, checkpointing every 2 steps."""
+def command(job: str, tmp_path: Path, model_dir: Path, model_id: str) -> list[str]:
+    """A job long enough (many small steps) that a fault lands mid-run, checkpointing every 2 steps.
+    SFT's model is a Hub id, resolved offline from a filled HF cache: the rebuilt workers load the
+    same snapshot again."""
     common = ["trainer.save_every=2", "trainer.max_restarts=1", "trainer.step_timeout_s=15", "trainer.val_every=0",
               "data.val_max_prompts=8", f"trainer.output_dir={tmp_path}/out"]
     if job == "eval":  # 256 prompts, a greedy answer and 8 samples each
@@ -30,7 +32,7 @@ def command(job: str, tmp_path: Path, model_dir: Path) -> list[str]:
                 *common[1:3], f"trainer.output_dir={tmp_path}/out"]
     if job == "sft":
         data = task.build_data(tmp_path / "data", n_train=16, n_val=1, seed=3)["train"]
-        return [str(BIN / "rlflow"), "sft", str(ROOT / "conf" / "demo-sft.yaml"), f"data.train_files=[{data}]",
+        return [str(BIN / "rlflow"), "sft", "demo-sft", f"model.path={model_id}", f"data.train_files=[{data}]",
                 "data.prompts_per_step=8", "actor.mini_batch_prompts=8", "trainer.total_steps=120", *common]
     data = task.build_pairs(tmp_path / "pairs", n_train=16, n_val=1, seed=3)["train"]
     return [str(BIN / "rlflow"), "dpo", str(ROOT / "conf" / "demo-dpo.yaml"), f"data.train_files=[{data}]",
@@ -43,9 +45,10 @@ def command(job: str, tmp_path: Path, model_dir: Path) -> list[str]:
 @pytest.mark.parametrize(("job", "fault"), [("sft", signal.SIGKILL), ("dpo", signal.SIGSTOP), ("eval", signal.SIGKILL),
                                             ("eval", signal.SIGSTOP)], ids=["sft-killed", "dpo-hung", "eval-killed",
                                                                             "eval-hung"])
-def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path, model_dir):
-    cmd = command(job, tmp_path, model_dir)
-    proc = subprocess.Popen(cmd, env=env(tmp_path), cwd=tmp_path, start_new_session=True, text=True,
+def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path, model_dir, hub_cache):
+    cmd = command(job, tmp_path, model_dir, hub_cache[1])
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache[0])}
+    proc = subprocess.Popen(cmd, env={**env(tmp_path), **offline}, cwd=tmp_path, start_new_session=True, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         marker = tmp_path / "out" / "checkpoints" / "step_000002" / "COMPLETE"
@@ -76,3 +79,5 @@ def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path, mod
     key = "sft/loss" if job == "sft" else "dpo/loss"
     assert max(m.step for m in client.get_metric_history(run.info.run_id, key)) == total
     assert run.info.status == "FINISHED" and (tmp_path / "out" / "hf_model" / "config.json").is_file()
+    if job == "sft":  # the run names the id, and the commit its workers loaded
+        assert (run.data.tags["model"], run.data.tags["model_commit"]) == (hub_cache[1], "a" * 40)
