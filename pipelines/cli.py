@@ -34,8 +34,7 @@ from pathlib import Path
 
 import yaml
 
-from rlflow.engine import checkpoint
-from rlflow.engine import hub, recipes
+from rlflow.engine import checkpoint, hub, recipes
 from rlflow.engine.config import EMBEDDED, Config, ConfigError, doubts, load_config, to_dict, visible_gpus
 from rlflow.engine.tracking import Tracker
 from rlflow.pipelines.inputs import check_inputs, resolve_files, resolve_inputs
@@ -251,7 +250,12 @@ def view_command(tracking_uri: str) -> str:
 
 def find_model(source: str) -> Path:
     """The HF directory `source` names: a complete checkpoint, the newest one under a run's
-    output_dir, or a HF model directory (checkpoints are HF directories too)."""
+    output_dir, a HF model directory (checkpoints are HF directories too), or a Hub id, fetched."""
+    if hub.is_id(source):
+        try:
+            return Path(hub.fetch(source))
+        except hub.HubError as e:
+            raise FileNotFoundError(str(e)) from None
     path = Path(source)
     if (path / "checkpoints").is_dir():
         found = checkpoint.find_resume(path / "checkpoints", "auto")
@@ -421,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     data.add_argument("--split", default="train", help="recorded in each converted row's extra_info")
     ev = sub.add_parser("eval", help="accuracy, mean@k and pass@k of a checkpoint or HF directory on data.val_files",
                         epilog=overrides)
-    ev.add_argument("source", help="a checkpoint directory, a run's trainer.output_dir, or a HF model directory")
+    ev.add_argument("source", help="a checkpoint, a run's trainer.output_dir, a HF model directory or a Hub id")
     ev.add_argument("args", nargs="*", metavar="[RECIPE] key=value")
     ev.add_argument("--config", metavar="RECIPE", help="the recipe, a name or a YAML file")
     ns = parser.parse_args(argv)

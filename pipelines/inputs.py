@@ -91,6 +91,9 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
     from rlflow.engine.agents.env import check_environment
     from rlflow.engine.data.rewards import load_function
 
+    if model and not cfg.model.path:
+        raise ConfigError("model.path is not set: name a HF model directory or a Hub id (org/name); "
+                          "`rlflow train` alone runs the embedded demo, `rlflow recipes` lists the rest")
     if model and cfg.model.path != EMBEDDED:
         model_dir("model.path", cfg.model.path)
     if model and cfg.trainer.resume not in ("auto", "never"):
@@ -99,6 +102,9 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
             raise ConfigError(f"trainer.resume={cfg.trainer.resume}: not a usable checkpoint: {reason}")
     keys = ("train_files", "val_files") if model else ("val_files",)
     for key in keys:
+        if not getattr(cfg.data, key):
+            raise ConfigError(f"data.{key} is empty: name parquet or jsonl files of rows (docs/howto/data.md; "
+                              "`rlflow data gsm8k DIR` writes GSM8K's)")
         for f in (f for f in getattr(cfg.data, key) if f != EMBEDDED):
             _check_file(f"data.{key}", f)
     if cfg.reward.model:

@@ -33,7 +33,8 @@ _EXPORTS = {
     "python_tool": "rlflow.engine.agents.tools", "Prompt": "rlflow.engine.data.prompts",
     "ComputeScore": "rlflow.engine.data.rewards",
 }
-__all__ = ["train", "recipes", *_EXPORTS]
+__all__ = ["train", "recipes", "Config", "ConfigError", "load_config", "Environment", "Step", "Tool", "CALCULATOR",
+           "python_tool", "Prompt", "ComputeScore"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,7 @@
 """The embedded agent task: 3-digit multiplication with a calculator.
 
-A ~1M-parameter model cannot multiply two 3-digit numbers, but it can learn to ask: the episode
-is the problem ("417*382="), a call in the compact form (`<<calc:417*382>>`), the tool's result
+The embedded model (about 0.8M parameters) cannot multiply two 3-digit numbers, but it can learn
+to ask: the episode is the problem ("417*382="), a call in the compact form (`<<calc:417*382>>`), the tool's result
 (`[159294]`, an observation: not trained on) and the answer copied from it. The environment scores
 the answer exactly. With the embedded model and tokenizer (engine/data/task.py, whose chat
 template names the offered tools and brackets a tool's result), `rollout.env=rlflow.engine.agents.calc:Calculator`

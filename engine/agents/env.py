@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from rlflow.engine.agents.tools import Tool
-    from rlflow.engine.data.prompts import Prompt
 
 
 @dataclass
@@ -57,7 +56,7 @@ class Environment(Protocol):
     tool_parser: ClassVar[str]  # "hermes" (the default) or "compact"
     overlap: ClassVar[bool]
 
-    def __init__(self, prompt: Prompt) -> None: ...
+    def __init__(self, prompt: Any) -> None: ...  # the episode's dataset row, an rlflow.Prompt
 
     def step(self, response: str) -> Step: ...
 

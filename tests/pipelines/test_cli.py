@@ -83,10 +83,13 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "empty.parquet").write_bytes(b"")
     (tmp / "broken.py").write_text("import not_a_module_anywhere\n")
     (tmp / "envs.py").write_text("class Parser:\n    tool_parser = 'xml'\n\nclass Tools:\n    tools = [print]\n")
-    (tmp / "mystery.jsonl").write_text('{"prompt": "?", "data_source": "mystery", "reward_model": {"ground_truth": 1}}\n'
-                                       * 3)
+    mystery = '{"prompt": "?", "data_source": "mystery", "reward_model": {"ground_truth": 1}}\n'
+    (tmp / "mystery.jsonl").write_text(mystery * 3)
     data = ["data.train_files=[embedded]", "data.val_files=[embedded]"]
+    (tmp / "mine.yaml").write_text("actor:\n  lr: 1.0e-6\n")
     return [
+        ([str(tmp / "mine.yaml")], "model.path is not set: name a HF model directory or a Hub id"),
+        (["model.path=/m"], "data.train_files is empty"),
         ([f"model.path={tmp}", *data], "no config.json"),
         ([f"model.path={tmp / 'no_tokenizer'}", *data], "no tokenizer"),
         ([f"data.val_files=[{tmp / 'mystery.jsonl'}]"], f"data.val_files: {tmp / 'mystery.jsonl'}: 3 rows of "

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_e2e import BIN, ROOT, env, history, only_run
+from test_e2e import BIN, env, history, only_run
 
 from rlflow.engine.data import task
 from rlflow.engine.data.prompts import load_pairs
@@ -25,7 +25,7 @@ TINY = ("data.prompts_per_step=16", "actor.mini_batch_prompts=16", "data.val_max
 
 def rlflow_dpo(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     train = task.build_pairs(tmp_path / "pairs", n_train=16, n_val=1, seed=3)["train"]
-    cmd = [str(BIN / "rlflow"), "dpo", str(ROOT / "conf" / "demo-dpo.yaml"), f"trainer.output_dir={tmp_path / 'out'}",
+    cmd = [str(BIN / "rlflow"), "train", "demo-dpo", f"trainer.output_dir={tmp_path / 'out'}",
            f"data.train_files=[{train}]", *TINY, *overrides]  # held-out: the embedded validation pairs
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -54,11 +54,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 
 def rlflow(tmp_path: Path, out: str, *overrides: str, timeout: int = 400,
-           conf: str = "smoke.yaml") -> subprocess.CompletedProcess:
+           conf: str = "smoke") -> subprocess.CompletedProcess:
     reward = tmp_path / "length_reward.py"
     reward.write_text(LENGTH_REWARD)
     # the recipe by name, from a directory outside the repo, as a user runs it
-    cmd = [str(BIN / "rlflow"), "train", Path(conf).stem, f"trainer.output_dir={tmp_path / out}",
+    cmd = [str(BIN / "rlflow"), "train", conf, f"trainer.output_dir={tmp_path / out}",
            f"reward.function={reward}:compute_score", *overrides]
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -221,15 +221,19 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
 
 
 LORA = ["actor.lora_rank=8", "actor.lr=5e-3", "actor.kl_loss_coef=0.05"]  # adapters, the base as the reference
+# the smoke recipe's sizes, for a run of another embedded recipe that is as small
+SMOKE_SIZES = ["data.prompts_per_step=8", "data.val_max_prompts=16", "rollout.samples_per_prompt=4",
+               "rollout.max_new_tokens=4", "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16",
+               "trainer.samples_every=1", "trainer.progress=false"]
 
 
 def test_lora_split_placement_pushes_the_adapters_alone_and_matches_hybrid(tmp_path):
     """A LoRA trainer pushes its adapters only; the rollout pool merges them beside its own copy of
     the base, into the same weights the hybrid engine's merge gives: the same numbers on CPU fp32."""
-    steps = [*LORA, "trainer.total_steps=3", "trainer.val_every=0"]
+    steps = [*SMOKE_SIZES, *LORA, "trainer.total_steps=3", "trainer.val_every=0"]
     for placement, extra in (("hybrid", []), ("split", ["placement.own_pool=[rollout]"])):
         (tmp_path / placement).mkdir()
-        rlflow(tmp_path / placement, "out", *steps, *extra)
+        rlflow(tmp_path / placement, "out", *steps, *extra, conf="demo-lora")
     hybrid, split = steady_history(tmp_path / "hybrid"), steady_history(tmp_path / "split")
     hybrid.pop("perf/reshard_gb_from_peers")
     merged, adapters = dict(hybrid.pop("perf/weight_sync_gb")), dict(split.pop("perf/weight_sync_gb"))
@@ -415,11 +419,12 @@ def test_mlflow_run_makes_exactly_one_run(tmp_path):
 
 
 # Each shipped algorithm config, shrunk to one tiny step, and the metrics only it logs.
-# The shipped configs that change what the driver does; those that change only the loss or the
-# advantage (gspo, cispo, drgrpo) update through the verbs in tests/stages/test_policy.py, and
-# demo-remax.yaml runs below with dynamic sampling on top.
+# The shipped recipes that change what the driver does, as the how-tos run them; those that change
+# only the loss or the advantage (gspo, cispo, drgrpo) update through the verbs in
+# tests/stages/test_policy.py, and demo-remax runs below with dynamic sampling on top.
 ALGORITHMS = {
-    "demo-dapo.yaml": ("dynamic_sampling/rounds", "dynamic_sampling/varied_groups", "reward/overlong_penalty/mean"),
+    "demo-dapo": ("dynamic_sampling/rounds", "dynamic_sampling/varied_groups", "reward/overlong_penalty/mean"),
+    "demo-agent": ("episode/turns/mean", "episode/tool_calls/mean", "episode/truncated"),
 }
 ONE_TINY_STEP = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.max_new_tokens=4",
                  "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16", "trainer.total_steps=1",
@@ -437,13 +442,14 @@ def test_each_shipped_algorithm_trains_and_logs_its_metrics(conf, tmp_path):
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/grad_norm", "critic/score/mean", *ALGORITHMS[conf]):
         assert list(metrics[key]) == [1], key
     # validation at the end: greedy, and mean@2 / pass@2 of two samples; pass@2 can only be higher
-    for key in ("val/arith/greedy_score", "val/arith/mean_at_2", "val/arith/pass_at_2"):
+    source = "calc" if conf == "demo-agent" else "arith"
+    for key in (f"val/{source}/greedy_score", f"val/{source}/mean_at_2", f"val/{source}/pass_at_2"):
         assert list(metrics[key]) == [1], key
-    assert metrics["val/arith/pass_at_2"][1] >= metrics["val/arith/mean_at_2"][1]
+    assert metrics[f"val/{source}/pass_at_2"][1] >= metrics[f"val/{source}/mean_at_2"][1]
     out = tmp_path / "out"
     start, end = load_file(out / "warmstart" / "model.safetensors"), load_file(out / "hf_model" / "model.safetensors")
     assert any(not torch.equal(start[k], end[k]) for k in start)
-    if conf == "demo-dapo.yaml":  # dynamic sampling: bounded rounds; a short step is topped up and counted
+    if conf == "demo-dapo":  # dynamic sampling: bounded rounds; a short step is topped up and counted
         rounds, varied = metrics["dynamic_sampling/rounds"][1], metrics["dynamic_sampling/varied_groups"][1]
         assert 1 <= rounds <= 10
         assert metrics["dynamic_sampling/topped_up_groups"][1] == max(0, 8 - varied)
@@ -471,7 +477,7 @@ def test_the_warm_start_ends_once_held_out_training_prompts_reach_its_accuracy(t
 def test_remax_with_dynamic_sampling_scores_the_kept_prompts_greedy_answers(tmp_path):
     """The driver generates the rounds, and then the greedy answers of the prompts it kept."""
     rlflow(tmp_path, "out", *ONE_TINY_STEP, "algorithm.dynamic_sampling_tries=3", "rollout.samples_per_prompt=2",
-           "placement.workers=2", conf="demo-remax.yaml")
+           "placement.workers=2", conf="demo-remax")
     client, run = only_run(tmp_path)
     m = run.data.metrics
     assert 1 <= m["dynamic_sampling/rounds"] <= 3 and 0 <= m["reward/greedy_baseline/mean"] <= 1

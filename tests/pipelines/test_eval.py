@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from rlflow.engine.config import Config
+from rlflow.engine.config import load_config
 from rlflow.engine.data.prompts import embedded_files
 from rlflow.pipelines.cli import eval_files
 from rlflow.pipelines.grpo import summarise
@@ -119,12 +119,12 @@ def test_rlflow_eval_of_a_run_uses_that_runs_embedded_held_out_set(model_dir: Pa
 def test_eval_outside_a_run_warns_and_an_explicit_output_dir_wins(model_dir: Path, tmp_path: Path, monkeypatch,
                                                                    capsys) -> None:
     monkeypatch.chdir(tmp_path)
-    [val] = eval_files(model_dir, Config())  # a model in no run directory: today's set, with a warning
+    [val] = eval_files(model_dir, load_config())  # a model in no run directory: today's set, with a warning
     assert Path(val).resolve() == tmp_path / "outputs" / "rlflow" / "embedded" / "data" / "val.parquet"
     assert "rlflow: warning:" in capsys.readouterr().out
     run = tmp_path / "run"
     shutil.copytree(model_dir, run / "hf_model")
     embedded_files(run / "embedded", seed=1)
-    cfg = Config()
+    cfg = load_config()
     cfg.trainer.output_dir = str(tmp_path / "outputs" / "rlflow")  # given explicitly: the user's choice
     assert [Path(f).resolve() for f in eval_files(run / "hf_model", cfg)] == [Path(val).resolve()]

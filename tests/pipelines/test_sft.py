@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_e2e import BIN, ROOT, env, history, only_run
+from test_e2e import BIN, env, history, only_run
 
 from rlflow.engine.data import task
 
@@ -24,7 +24,7 @@ def rlflow_sft(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
     rows = tmp_path / "sft.jsonl"  # prompt/response rows; one overlong response, counted and skipped
     rows.write_text("".join(json.dumps({"prompt": f"{a}+{a}=", "response": str(2 * a)}) + "\n" for a in range(8))
                     + json.dumps({"prompt": "1+1=", "response": "2" * 20}) + "\n")
-    cmd = [str(BIN / "rlflow"), "sft", str(ROOT / "conf" / "demo-sft.yaml"), f"trainer.output_dir={tmp_path / 'out'}",
+    cmd = [str(BIN / "rlflow"), "train", "demo-sft", f"trainer.output_dir={tmp_path / 'out'}",
            f"data.train_files=[{truth},{rows}]", *TINY, *overrides]  # held-out: the embedded validation rows
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
