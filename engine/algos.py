@@ -1,7 +1,10 @@
-"""Algorithm math for RL post-training: advantages, policy/value/DPO losses, KL terms, aggregation.
+"""Algorithm math for RL post-training: advantages, policy/value/DPO losses, KL terms, aggregation,
+and the registry of estimators by name (`ESTIMATORS`), each saying what it needs of a step.
 
 This module is pure tensor math. It imports only torch and the standard library, so every
-stage and pipeline can use it and tests run on CPU in milliseconds.
+stage and pipeline can use it and tests run on CPU in milliseconds. It is the one place that
+knows the algorithms by name: the config's checks, the step graph and the stages ask an
+`Estimator`'s fields (or `needs_whole_sequences`, `run_name`), never compare names (a test checks).
 
 Conventions and invariants:
 - N is the number of responses, T the padded response length, V the vocabulary size.
@@ -16,20 +19,21 @@ Run its tests with ``python -m pytest tests/engine/test_algos.py -q``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 # The names the math dispatches on, which are also the allowed values of the config keys named beside them
-# (engine/config.py validates against these tuples; there is no second list).
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")  # compare the samples of one prompt
-ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax")  # no critic
-ADVANTAGES = (*ADVANTAGE_ESTIMATORS, "gae")  # algorithm.advantage; gae (`gae`) reads a critic's values
+# (engine/config.py validates against these tuples; there is no second list). The advantage
+# estimators are `ESTIMATORS`, below the functions they call.
 POLICY_LOSSES = ("ppo", "gspo", "cispo")  # actor.policy_loss
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # actor.loss_agg
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "low_var_kl")  # actor.kl_loss_type, algorithm.kl_penalty
-ROLLOUT_CORRECTIONS = ("none", "token_tis", "seq_tis", "token_mask", "seq_mask")  # algorithm.rollout_correction
+NO_CORRECTION = "none"
+ROLLOUT_CORRECTIONS = (NO_CORRECTION, "token_tis", "seq_tis", "token_mask", "seq_mask")  # algorithm.rollout_correction
+WHOLE_SEQUENCE = ("gspo", "seq-mean-token-mean", "seq_tis", "seq_mask")  # a ratio or mean over a row's tokens
 
 
 # ---------------------------------------------------------------- masked statistics
@@ -57,12 +61,14 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
 
 def group_advantages(scores: Tensor, group_size: int, estimator: str, eps: float = 1e-6) -> Tensor:
-    """Outcome advantage per response from its group of ``group_size`` siblings.
+    """Outcome advantage per response from its group of ``group_size`` siblings, for the group
+    estimators grpo (divided by the group's std), rloo (leave-one-out mean), drgrpo and
+    reinforce_pp_baseline (centred).
 
     scores: [N] scalar reward per response. Returns [N].
     """
-    if estimator not in GROUP_ESTIMATORS:
-        raise ValueError(f"unknown group estimator {estimator!r}; expected one of {GROUP_ESTIMATORS}")
+    if estimator not in ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline"):
+        raise ValueError(f"unknown group estimator {estimator!r}")
     if group_size < 1 or scores.numel() % group_size != 0:
         raise ValueError(f"{scores.numel()} scores do not split into groups of {group_size}")
     if estimator in ("grpo", "rloo") and group_size < 2:
@@ -111,41 +117,6 @@ def token_scores(scores: Tensor, mask: Tensor, earned: Tensor | None = None) -> 
     return turns + on_last_token(scores - turns.sum(-1), mask)
 
 
-def compute_advantages(
-    estimator: str,
-    scores: Tensor,
-    mask: Tensor,
-    group_size: int,
-    gamma: float = 1.0,
-    token_rewards: Tensor | None = None,
-    baseline: Tensor | None = None,
-) -> Tensor:
-    """Per-token advantages [N, T] for one of ``ADVANTAGE_ESTIMATORS``; 0 where ``mask == 0``.
-
-    scores: [N] outcome reward. token_rewards: [N, T], only read by "reinforce_pp"
-    (when None the score is placed on the last valid token). baseline: [N], only (and always)
-    read by "remax": the score of the greedy response to the same prompt.
-    """
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {estimator!r}; expected one of {ADVANTAGE_ESTIMATORS}")
-    if token_rewards is not None and estimator != "reinforce_pp":
-        # Silently dropping per-token rewards (e.g. a KL penalty) would train on the wrong signal.
-        raise ValueError(f"token_rewards are only used by 'reinforce_pp', not {estimator!r}")
-    if (baseline is not None) != (estimator == "remax"):
-        raise ValueError("a greedy baseline is needed by 'remax' and used by nothing else")
-    fmask = mask.to(scores.dtype)
-    if estimator == "remax":
-        return remax_advantages(scores, baseline, mask)  # type: ignore[arg-type]
-    if estimator in ("grpo", "drgrpo", "rloo"):
-        return group_advantages(scores, group_size, estimator).unsqueeze(-1) * fmask  # [N, T]
-    if estimator == "reinforce_pp_baseline":
-        token_rewards = on_last_token(group_advantages(scores, group_size, estimator), mask)
-    elif token_rewards is None:
-        token_rewards = on_last_token(scores, mask)
-    returns = reinforce_pp_returns(token_rewards, mask, gamma)  # [N, T]
-    return masked_whiten(returns, fmask)
-
-
 def remax_advantages(scores: Tensor, greedy_scores: Tensor, mask: Tensor) -> Tensor:
     """ReMax (Li et al., 2023): a sample's reward minus that of the greedy response to its prompt.
 
@@ -175,6 +146,105 @@ def gae(token_rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: 
         next_value = torch.where(valid, values[:, t], next_value)
     # Padding sits after the last valid token, so it adds nothing above; mask what it holds.
     return advantages * fmask, (advantages + values) * fmask
+
+
+# ---------------------------------------------------------------- the estimators, by name
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read, for N responses of T tokens (the rows of one prompt contiguous)."""
+
+    scores: Tensor  # [N] outcome rewards, with any shaping (DAPO's overlong penalty)
+    mask: Tensor  # [N, T] 1 on the tokens trained on
+    group_size: int  # G: samples of one prompt
+    rewards: Tensor  # [N, T] per-token rewards: each score on its row's last token, an episode's turns' on
+    #                  the turns that earned them, an in-reward KL penalty folded in
+    gamma: float = 1.0  # discount of per-token returns
+    lam: float = 1.0  # GAE's lambda
+    baseline: Tensor | None = None  # [N] the score of the greedy answer to each row's prompt
+    values: Tensor | None = None  # [N, T] the critic's values
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator (`algorithm.advantage`): its math, and what it needs of a step. The
+    config checks, the step graph (a critic, a greedy request a prompt) and the advantage stage
+    read these fields; nothing else knows an estimator by name. `compute` returns the advantages
+    [N, T], 0 where the mask is, and, for an estimator that trains a critic, its returns [N, T]."""
+
+    name: str
+    compute: Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
+    group: bool = False  # compares one prompt's samples: rollout.samples_per_prompt >= 2
+    critic: bool = False  # reads a value model's values: the step trains one beside the policy
+    greedy_baseline: bool = False  # reads the score of each prompt's greedy answer: the step asks for one
+    token_rewards: bool = False  # reads per-token rewards (an episode's turns, an in-reward KL); the others, scores
+    label: str = ""  # the run's name (`algorithm.name`) where it is not `name`
+
+
+def _group(name: str) -> Callable[[AdvantageInputs], tuple[Tensor, None]]:
+    def compute(x: AdvantageInputs) -> tuple[Tensor, None]:
+        return group_advantages(x.scores, x.group_size, name).unsqueeze(-1) * x.mask.to(x.scores.dtype), None
+    return compute
+
+
+def _reinforce_pp(x: AdvantageInputs) -> tuple[Tensor, None]:
+    return masked_whiten(reinforce_pp_returns(x.rewards, x.mask, x.gamma), x.mask.to(x.scores.dtype)), None
+
+
+def _reinforce_pp_baseline(x: AdvantageInputs) -> tuple[Tensor, None]:
+    centred = on_last_token(group_advantages(x.scores, x.group_size, "reinforce_pp_baseline"), x.mask)  # [N, T]
+    return masked_whiten(reinforce_pp_returns(centred, x.mask, x.gamma), x.mask.to(x.scores.dtype)), None
+
+
+def _remax(x: AdvantageInputs) -> tuple[Tensor, None]:
+    if x.baseline is None:
+        raise ValueError("remax reads the score of each prompt's greedy answer: give a baseline")
+    return remax_advantages(x.scores, x.baseline, x.mask), None
+
+
+def _gae(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    if x.values is None:
+        raise ValueError("gae reads a critic's values: give values")
+    advantages, returns = gae(x.rewards, x.values, x.mask, x.gamma, x.lam)
+    return masked_whiten(advantages, x.mask), returns
+
+
+ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
+    Estimator("grpo", _group("grpo"), group=True),  # the group's mean and std (Shao et al., 2024)
+    Estimator("drgrpo", _group("drgrpo"), group=True),  # centred only (Liu et al., 2025)
+    Estimator("rloo", _group("rloo"), group=True),  # the mean of the others (Ahmadian et al., 2024)
+    Estimator("reinforce_pp", _reinforce_pp, token_rewards=True),  # whitened discounted returns (Hu, 2025)
+    Estimator("reinforce_pp_baseline", _reinforce_pp_baseline, group=True),  # ... of group-centred scores
+    Estimator("remax", _remax, greedy_baseline=True),  # the greedy answer's score (Li et al., 2023)
+    Estimator("gae", _gae, critic=True, token_rewards=True, label="ppo"),  # a critic (Schulman et al., 2016)
+)}
+ADVANTAGES = tuple(ESTIMATORS)  # algorithm.advantage, besides an Estimator of the user's own ("file.py:NAME")
+
+
+def run_name(estimator: Estimator, policy_loss: str, dynamic_sampling: bool) -> str:
+    """An RL run's `algorithm.name`: its estimator's (gae runs ppo; grpo with dynamic sampling is
+    dapo), then `+policy_loss` where that is not ppo's: grpo+gspo."""
+    label = estimator.label or estimator.name
+    if label == "grpo" and dynamic_sampling:
+        label = "dapo"
+    return label if policy_loss == "ppo" else f"{label}+{policy_loss}"
+
+
+def needs_whole_sequences(*settings: str) -> list[str]:
+    """Those of `settings` (a policy loss, a loss aggregation, a rollout correction) that need every
+    token of a row on one rank: a ratio or a mean over the row."""
+    return [s for s in settings if s in WHOLE_SEQUENCE]
+
+
+def divides_by_rows(loss_agg: str) -> bool:
+    """Whether a loss aggregation's denominator counts rows (a mean over sequences), not tokens."""
+    return loss_agg != "token-mean"
+
+
+def dual_clip_applies(policy_loss: str) -> bool:
+    """Whether a dual clip bounds this policy loss (it caps a ratio's surrogate; CISPO has none)."""
+    return policy_loss != "cispo"
 
 
 def varied_groups(scores: Tensor, group_size: int) -> Tensor:

@@ -31,15 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rlflow.engine import aliases, recipes
-from rlflow.engine.algos import (
-    ADVANTAGES,
-    GROUP_ESTIMATORS,
-    KL_ESTIMATORS,
-    LOSS_AGGS,
-    POLICY_LOSSES,
-    ROLLOUT_CORRECTIONS,
-)
+from rlflow.engine import algos, aliases, recipes
+from rlflow.engine.algos import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
 EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL or DPO: at most this many steps ...
@@ -117,7 +110,7 @@ class ActorConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"  # derived, not a switch: the command's sft | dpo, or the RL label (run_label: gae is ppo)
-    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | gae (critic)
+    advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | gae | FILE.py:NAME
     gamma: float = 1.0  # discount of per-token returns (reinforce_pp, gae)
     lam: float = 1.0  # GAE lambda: 1 = Monte Carlo return minus the value, 0 = one-step TD
     kl_in_reward: bool = False  # subtract a per-token KL to the reference from the reward (reinforce_pp, gae)
@@ -398,13 +391,29 @@ def doubts(cfg: Config, gpus: int) -> list[str]:
 
 
 def run_label(cfg: Config) -> str:
-    """An RL run's `algorithm.name`, from the settings that change its math: the advantage estimator (gae is
-    ppo; grpo with dynamic sampling is dapo), then `+policy_loss` when that is not ppo's: grpo+gspo."""
-    alg = cfg.algorithm
-    label = "ppo" if alg.advantage == "gae" else alg.advantage
-    if label == "grpo" and alg.dynamic_sampling_tries:
-        label = "dapo"
-    return label if cfg.actor.policy_loss == "ppo" else f"{label}+{cfg.actor.policy_loss}"
+    """An RL run's `algorithm.name`, from the settings that change its math (`algos.run_name`)."""
+    return algos.run_name(estimator_of(cfg.algorithm.advantage), cfg.actor.policy_loss,
+                          bool(cfg.algorithm.dynamic_sampling_tries))
+
+
+def estimator_of(spec: str) -> algos.Estimator:
+    """The estimator `algorithm.advantage` names: a registered one (`algos.ESTIMATORS`), or an
+    `algos.Estimator` of the user's own, "path/to/file.py:NAME" or "package.module:NAME"."""
+    if spec in algos.ESTIMATORS:
+        return algos.ESTIMATORS[spec]
+    if ":" not in spec:
+        raise ConfigError(f"algorithm.advantage={spec!r}; choose one of {list(ADVANTAGES)}, or name an Estimator "
+                          "of your own as FILE.py:NAME (docs/howto/custom-algorithm.md)")
+    from rlflow.engine.data.rewards import load_object
+
+    try:
+        found = load_object(spec, "advantage estimator")
+    except Exception as e:  # the user's module may fail in any way while it is imported
+        raise ConfigError(f"algorithm.advantage={spec}: {(str(e).strip().splitlines() or [type(e).__name__])[0]}") \
+            from None
+    if not isinstance(found, algos.Estimator):
+        raise ConfigError(f"algorithm.advantage={spec}: a {type(found).__name__}, not an rlflow.Estimator")
+    return found
 
 
 def name_of(cfg: Config, job: str) -> str:
@@ -447,7 +456,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.loss_agg": LOSS_AGGS,  # the algorithm switches: the names engine/algos.py dispatches on
     "actor.kl_loss_type": KL_ESTIMATORS,
     "actor.policy_loss": POLICY_LOSSES,
-    "algorithm.advantage": ADVANTAGES,
     "algorithm.kl_penalty": KL_ESTIMATORS,
     "algorithm.rollout_correction": ROLLOUT_CORRECTIONS,
     "reward.on_error": ("zero", "raise"),
@@ -472,8 +480,7 @@ def _validate_sp(cfg: Config) -> None:
         return
     if a.pack_sequences or a.share_prompts:
         raise ConfigError("actor.sp > 1 runs padded rows: set actor.pack_sequences=false and actor.share_prompts=false")
-    if job_of(cfg) != "rl" or a.loss_agg == "seq-mean-token-mean" or a.policy_loss == "gspo" or \
-            cfg.algorithm.rollout_correction.startswith("seq"):
+    if job_of(cfg) != "rl" or algos.needs_whole_sequences(a.policy_loss, a.loss_agg, cfg.algorithm.rollout_correction):
         raise ConfigError(f"actor.sp > 1 trains RL with a token-level loss; got algorithm.name="
                           f"{cfg.algorithm.name}, actor.loss_agg={a.loss_agg}, actor.policy_loss={a.policy_loss}, "
                           f"algorithm.rollout_correction={cfg.algorithm.rollout_correction}")
@@ -486,7 +493,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={_get(cfg, key)!r}; choose one of {list(allowed)}")
     _validate_ranges(cfg)
     d, r, a, p = cfg.data, cfg.rollout, cfg.actor, cfg.placement
-    if cfg.algorithm.advantage in GROUP_ESTIMATORS and r.samples_per_prompt < 2:
+    est = estimator_of(cfg.algorithm.advantage)
+    if est.group and r.samples_per_prompt < 2:
         raise ConfigError(f"advantage '{cfg.algorithm.advantage}' compares samples of one prompt: "
                           f"rollout.samples_per_prompt must be >= 2, got {r.samples_per_prompt}")
     if d.prompts_per_step % a.mini_batch_prompts:
@@ -504,7 +512,7 @@ def validate(cfg: Config) -> None:
     if r.env and (r.max_turns < 1 or r.episode_tokens < r.max_new_tokens or r.tp > 1):
         raise ConfigError(f"rollout.env needs rollout.max_turns >= 1 (got {r.max_turns}), rollout.episode_tokens >= "
                           f"rollout.max_new_tokens (got {r.episode_tokens} < {r.max_new_tokens}) and rollout.tp=1")
-    if r.dtype != cfg.model.dtype and cfg.algorithm.rollout_correction == "none":
+    if r.dtype != cfg.model.dtype and cfg.algorithm.rollout_correction == algos.NO_CORRECTION:
         raise ConfigError(f"rollout.dtype={r.dtype} differs from model.dtype={cfg.model.dtype}: rollout logprobs "
                           "would not match training logprobs; set algorithm.rollout_correction to correct for it")
     if r.dtype == "fp8" and (r.backend != "native" or not p.gpus_per_worker):
@@ -512,15 +520,16 @@ def validate(cfg: Config) -> None:
                           f"rollout.backend={r.backend}, placement.gpus_per_worker={p.gpus_per_worker}")
     if r.tp < 1 or p.workers % r.tp or (r.tp > 1 and r.backend != "native"):
         raise ConfigError(f"rollout.tp={r.tp} needs the native backend and must divide placement.workers={p.workers}")
-    if a.dual_clip and (a.dual_clip <= 1 or a.policy_loss == "cispo"):
+    if a.dual_clip and (a.dual_clip <= 1 or not algos.dual_clip_applies(a.policy_loss)):
         raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, and needs a ppo/gspo loss; got {a.dual_clip} "
                           f"with actor.policy_loss={a.policy_loss}")
     _validate_dapo(cfg)
     _validate_critic(cfg)
     _validate_scoring(cfg)
-    if cfg.algorithm.kl_in_reward and cfg.algorithm.advantage not in ("reinforce_pp", "gae"):
-        raise ConfigError("algorithm.kl_in_reward needs algorithm.advantage=reinforce_pp or gae (token-level "
-                          "returns); group estimators use the outcome score, so use actor.kl_loss_coef")
+    if cfg.algorithm.kl_in_reward and not est.token_rewards:
+        raise ConfigError("algorithm.kl_in_reward needs an advantage that reads per-token rewards, "
+                          f"{[e.name for e in algos.ESTIMATORS.values() if e.token_rewards]}; the others use the "
+                          "outcome score, so use actor.kl_loss_coef")
     if set(p.own_pool) - {"reward", "reference", "critic", "rollout"}:
         raise ConfigError(f"placement.own_pool takes reward, reference, critic and/or rollout, got {p.own_pool}")
     if "rollout" in p.own_pool:
@@ -576,7 +585,7 @@ def _validate_ranges(cfg: Config) -> None:
 
 def _validate_critic(cfg: Config) -> None:
     """PPO's critic exists exactly when advantages are GAE's, which only RL computes."""
-    alg, c, gae = cfg.algorithm, cfg.critic, cfg.algorithm.advantage == "gae"
+    alg, c, gae = cfg.algorithm, cfg.critic, estimator_of(cfg.algorithm.advantage).critic
     if job_of(cfg) == "rl" and alg.name != run_label(cfg):
         raise ConfigError(f"algorithm.name={alg.name!r} is derived and this config makes it {run_label(cfg)!r}")
     if gae and job_of(cfg) != "rl":
@@ -619,7 +628,7 @@ def _validate_async(cfg: Config) -> None:
     if "rollout" not in cfg.placement.own_pool:
         raise ConfigError(f"{mode} generates while the trainer updates, so the rollout needs workers of its own: "
                           "add placement.own_pool=[rollout]")
-    if cfg.algorithm.dynamic_sampling_tries or cfg.algorithm.advantage == "remax":
+    if cfg.algorithm.dynamic_sampling_tries or estimator_of(cfg.algorithm.advantage).greedy_baseline:
         raise ConfigError(f"{mode}: dynamic sampling and ReMax generate again from the current weights inside the "
                           "step; run them with trainer.max_staleness=0")
 
@@ -650,7 +659,7 @@ def _validate_dapo(cfg: Config) -> None:
     if not 0 <= rw.overlong_buffer <= cfg.rollout.max_new_tokens or rw.overlong_penalty < 0:
         raise ConfigError(f"reward.overlong_buffer must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}]"
                           f" and reward.overlong_penalty >= 0; got {rw.overlong_buffer}, {rw.overlong_penalty}")
-    if rw.overlong_buffer and cfg.algorithm.advantage == "remax":
+    if rw.overlong_buffer and estimator_of(cfg.algorithm.advantage).greedy_baseline:
         raise ConfigError("reward.overlong_buffer with algorithm.advantage=remax would shape the samples' rewards "
                           "but not the greedy baseline's; use one of them")
 

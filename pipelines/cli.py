@@ -35,7 +35,16 @@ from pathlib import Path
 import yaml
 
 from rlflow.engine import checkpoint, hub, recipes
-from rlflow.engine.config import EMBEDDED, Config, ConfigError, doubts, load_config, to_dict, visible_gpus
+from rlflow.engine.config import (
+    EMBEDDED,
+    Config,
+    ConfigError,
+    doubts,
+    estimator_of,
+    load_config,
+    to_dict,
+    visible_gpus,
+)
 from rlflow.engine.tracking import Tracker
 from rlflow.pipelines.inputs import check_inputs, resolve_files, resolve_inputs
 
@@ -187,7 +196,7 @@ def check_disk(cfg: Config, model_path: str, tracker: Tracker, adapters: int = 0
     """Say at the start, not at the final save hours later, when the checkpoints may not fit. A
     LoRA policy's checkpoints hold its `adapters` parameters, not the model's."""
     model = checkpoint.model_parameters(model_path)
-    critic = model if cfg.algorithm.advantage == "gae" else 0  # PPO's critic: the policy's backbone, its own AdamW
+    critic = model if estimator_of(cfg.algorithm.advantage).critic else 0  # the policy's backbone, its own AdamW
     copies = int(cfg.trainer.log_checkpoint and tracker.local_artifacts())
     why = checkpoint.disk_shortfall(Path(cfg.trainer.output_dir) / "checkpoints", (adapters or model) + critic,
                                     cfg.trainer.keep_last, copies)

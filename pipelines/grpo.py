@@ -51,7 +51,7 @@ from transformers import AutoTokenizer
 from rlflow.engine import algos
 from rlflow.engine.agents.env import offered_tools
 from rlflow.engine.batch import Batch, RolloutRequest, Update
-from rlflow.engine.config import Config
+from rlflow.engine.config import Config, estimator_of
 from rlflow.engine.data.prompts import Prompt, PromptLoader, load_prompts
 from rlflow.engine.tracking import Tracker
 from rlflow.engine.train.batching import balance
@@ -181,10 +181,10 @@ def balanced_shards(batch: Batch, workers: int, mini_prompts: int) -> list[Batch
 
 
 def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int,
-                   remax: bool = False) -> tuple[Batch, dict[str, float]]:
+                   greedy_baseline: bool = False) -> tuple[Batch, dict[str, float]]:
     """Generate and score rounds of prompts until a step's worth of groups whose rewards differ is
     found, or `tries` rounds ran; then top up with groups that all agree (no learning signal, counted)
-    so that every step has the same shape. With `remax`, the kept prompts' greedy answers are
+    so that every step has the same shape. With `greedy_baseline`, the kept prompts' greedy answers are
     generated and scored too (the batch's `baseline_scores`)."""
     want = loader.batch_size
     batches: list[Batch] = []
@@ -202,7 +202,7 @@ def dynamic_sample(stages: Stages, loader: PromptLoader, step: int, tries: int,
     pool = Batch.cat(batches)
     rows = algos.dynamic_sampling_rows(pool.scores, pool.group_size, want)
     kept = pool.rows(rows)
-    if remax:
+    if greedy_baseline:
         greedy = rollout(stages.generator, stages.reward, [prompts[int(i)] for i in rows[::pool.group_size] //
                                                            pool.group_size], step, greedy=True)
         kept.baseline_scores = torch.cat([b.scores for b in greedy]).repeat_interleave(pool.group_size)
@@ -236,7 +236,7 @@ class GRPO:
         self.cfg, self.model_path, self.val_prompts = cfg, model_path, val_prompts
         self.tries = cfg.algorithm.dynamic_sampling_tries  # > 0: the driver generates and filters before the graph
         self.loss = PolicyGradient(cfg)
-        self.remax = cfg.algorithm.advantage == "remax"  # the baseline: a greedy answer per prompt
+        self.greedy_baseline = estimator_of(cfg.algorithm.advantage).greedy_baseline  # a scored greedy answer too
         self.ahead = cfg.trainer.max_staleness  # > 0: the coming steps' batches generate during this one's update
         self.queued: deque[list[Any]] = deque()  # generating ahead: batches (refs, one per rank), a step's each
         self.rollout_rebuilds = 0  # generating ahead: rollout pools replaced while training went on
@@ -249,7 +249,7 @@ class GRPO:
         self.queued.clear()  # fresh workers: what was generating went with the old ones
         return launch(c, self.model_path, advantage=True,
                       reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
-                      critic=c.algorithm.advantage == "gae")
+                      critic=estimator_of(c.algorithm.advantage).critic)
 
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:
         """RolloutRequests (for ReMax, then a greedy one per rank), or with DAPO's dynamic sampling
@@ -259,9 +259,9 @@ class GRPO:
             return self._ahead(stages, loader, step), {"async/rollout_rebuilds": float(self.rollout_rebuilds)}
         if not self.tries:
             parts = shards(loader.next_batch(), stages.workers)
-            greedy = [RolloutRequest(s, step, greedy=True) for s in parts] if self.remax else []
+            greedy = [RolloutRequest(s, step, greedy=True) for s in parts] if self.greedy_baseline else []
             return [RolloutRequest(s, step) for s in parts] + greedy, {}
-        kept, metrics = dynamic_sample(stages, loader, step, self.tries, self.remax)
+        kept, metrics = dynamic_sample(stages, loader, step, self.tries, self.greedy_baseline)
         return balanced_shards(kept, stages.workers, self.cfg.actor.mini_batch_prompts), metrics
 
     def _ahead(self, stages: Stages, loader: PromptLoader, step: int) -> list[Any]:

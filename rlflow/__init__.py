@@ -2,7 +2,7 @@
 Ray, tracked in MLflow.
 
 The public API is what this module exports (docs/api.md): a Python entry point, the config, and
-what user code is written against (environments, tools, reward functions). Everything under
+what user code is written against (environments, tools, reward functions, advantage estimators). Everything under
 `rlflow.engine`, `rlflow.stages` and `rlflow.pipelines` is internal and may change.
 
     import rlflow
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlflow.engine.agents.env import Environment, Step
+    from rlflow.engine.algos import AdvantageInputs, Estimator
     from rlflow.engine.agents.tools import CALCULATOR, Tool, python_tool
     from rlflow.engine.config import Config, ConfigError, load_config
     from rlflow.engine.data.prompts import Prompt
@@ -32,9 +33,10 @@ _EXPORTS = {
     "Tool": "rlflow.engine.agents.tools", "CALCULATOR": "rlflow.engine.agents.tools",
     "python_tool": "rlflow.engine.agents.tools", "Prompt": "rlflow.engine.data.prompts",
     "ComputeScore": "rlflow.engine.data.rewards",
+    "Estimator": "rlflow.engine.algos", "AdvantageInputs": "rlflow.engine.algos",
 }
 __all__ = ["train", "recipes", "Config", "ConfigError", "load_config", "Environment", "Step", "Tool", "CALCULATOR",
-           "python_tool", "Prompt", "ComputeScore"]
+           "python_tool", "Prompt", "ComputeScore", "Estimator", "AdvantageInputs"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,10 +6,10 @@ request of the pipeline, unless the batch already carries their scores); `save(d
 `load(dir)` keep the adaptive KL coefficient across a resume. It runs in the policy's process,
 between the critic's values and the updates.
 
-`algorithm.advantage` picks the estimator: a group baseline (GRPO, Dr.GRPO, RLOO,
-REINFORCE++), ReMax's greedy-answer baseline, or GAE over the critic's values (PPO). The
-estimators with per-token returns (REINFORCE++ and GAE) see a multi-turn episode's rewards on
-the turns that earned them; the others, the episode's total. With
+`algorithm.advantage` picks the estimator (`engine.algos.ESTIMATORS`, or one of the user's own):
+a group baseline (GRPO, Dr.GRPO, RLOO, REINFORCE++), ReMax's greedy-answer baseline, or GAE over
+the critic's values (PPO). The estimators that read per-token rewards (REINFORCE++ and GAE) see a
+multi-turn episode's rewards on the turns that earned them; the others, the episode's total. With
 `algorithm.kl_in_reward` a per-token KL penalty to the reference joins the rewards, its
 coefficient fixed or adapted to `algorithm.kl_target` after every step that trains the policy.
 DAPO's overlong shaping changes the reward the advantages see; the logged score stays raw.
@@ -24,13 +24,14 @@ import torch
 
 from rlflow.engine import algos
 from rlflow.engine.batch import Batch
-from rlflow.engine.config import Config
+from rlflow.engine.config import Config, estimator_of
 
 
 class Advantage:
     def __init__(self, cfg: Config, rank: int = 0) -> None:
         self.cfg, self.rank = cfg, rank
         alg = cfg.algorithm
+        self.estimator = estimator_of(alg.advantage)
         self.kl_ctl = (algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, algos.KL_HORIZON)
                        if alg.kl_target > 0 else algos.FixedKLController(alg.kl_coef))
 
@@ -46,27 +47,24 @@ class Advantage:
                                              rw.overlong_penalty)
             scores = scores + penalty
             batch.metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
-        # per-token rewards, for the estimators with per-token returns: an episode's turns keep theirs
+        # per-token rewards, for the estimators that read them: an episode's turns keep theirs
         earned = batch.env_rewards if batch.env_rewards.numel() else None
-        placed = algos.token_scores(scores, mask, earned)
-        token_rewards = placed if earned is not None and alg.advantage == "reinforce_pp" else None
+        rewards = algos.token_scores(scores, mask, earned)  # [N, R]
         if alg.kl_in_reward:
             kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
-            token_rewards = algos.kl_in_reward(placed, kl, mask, self.kl_ctl.value)
+            rewards = algos.kl_in_reward(rewards, kl, mask, self.kl_ctl.value)
             batch.metrics["actor/reward_kl_penalty"] = float(algos.masked_mean(kl, mask))
             batch.metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctl.value
             if batch.step >= self.cfg.critic.warmup_steps:  # a step that trains the policy moves the coefficient
                 self.kl_ctl.update(batch.metrics["actor/reward_kl_penalty"], len(batch))
-        if alg.advantage == "gae":  # PPO: per-token advantages from the critic's values; returns are its targets
-            rewards = placed if token_rewards is None else token_rewards
-            advantages, batch.returns = algos.gae(rewards, batch.values, mask, alg.gamma, alg.lam)
-            batch.advantages = algos.masked_whiten(advantages, mask)
-        else:
-            greedy = batch.baseline_scores if alg.advantage == "remax" else None
-            if greedy is not None:
-                batch.metrics["reward/greedy_baseline/mean"] = float(greedy.mean())
-            batch.advantages = algos.compute_advantages(
-                alg.advantage, scores, mask, batch.group_size, alg.gamma, token_rewards, greedy)
+        greedy = batch.baseline_scores if self.estimator.greedy_baseline else None
+        if greedy is not None:
+            batch.metrics["reward/greedy_baseline/mean"] = float(greedy.mean())
+        batch.advantages, returns = self.estimator.compute(algos.AdvantageInputs(
+            scores, mask, batch.group_size, rewards, alg.gamma, alg.lam, greedy,
+            batch.values if self.estimator.critic else None))
+        if returns is not None:  # a critic's targets
+            batch.returns = returns
         batch.timing["adv"] = time.perf_counter() - start
         return batch
 

@@ -246,11 +246,14 @@ def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def batch_metrics(batch: Batch) -> dict[str, float]:
     """Per-step statistics of what was generated and how it scored."""
     lengths = batch.response_mask.sum(1)
+    trained = batch.advantages[batch.loss_mask.bool()]  # [tokens]
     out = dict(batch.metrics)
     out.update({
         "critic/score/mean": float(batch.scores.mean()), "critic/score/max": float(batch.scores.max()),
         "critic/score/min": float(batch.scores.min()),
         "critic/advantages/mean": float(algos.masked_mean(batch.advantages, batch.loss_mask)),
+        "critic/advantages/max": float(trained.max()) if trained.numel() else 0.0,
+        "critic/advantages/min": float(trained.min()) if trained.numel() else 0.0,
         "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float(np.mean([f == "length" for f in batch.finish_reason])),
         "prompt_length/mean": float(batch.prompt_mask.sum(1).float().mean()),

@@ -45,8 +45,30 @@ def test_layers_import_only_downwards(layer):
     assert not {k: v for k, v in bad.items() if v}
 
 
+def test_algorithms_are_known_by_name_in_their_registry_alone():
+    """Only engine/algos.py compares an algorithm's name (an estimator, a policy loss, a loss
+    aggregation, a KL estimator, a rollout correction): everything else asks the registry what an
+    algorithm needs, so a new one is one entry there, not a hunt through the config, the stages
+    and the pipelines for the places that must learn it."""
+    from rlflow.engine import algos
+
+    names = {*algos.ESTIMATORS, *algos.POLICY_LOSSES, *algos.LOSS_AGGS, *algos.KL_ESTIMATORS,
+             *algos.ROLLOUT_CORRECTIONS} - {algos.NO_CORRECTION}
+    found = []
+    for top in PROJECT:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path == ROOT / "engine" / "algos.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                named = [c.value for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
+                if isinstance(node, ast.Compare) and named:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+
+
 def test_algorithm_math_is_import_light():
-    assert imported_packages(ROOT / "engine" / "algos.py") <= {"torch", "dataclasses", "__future__", "typing", "math"}
+    assert imported_packages(ROOT / "engine" / "algos.py") <= {"torch", "dataclasses", "__future__", "typing", "math",
+                                                             "collections"}
 
 
 def project_modules() -> dict[str, Path]:

@@ -57,16 +57,24 @@ class ComputeScore(Protocol):
 def load_function(spec: str, what: str = "reward function") -> Callable:
     """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"`` to a callable (a
     class too: an environment is named the same way)."""
+    fn = load_object(spec, what)
+    if not callable(fn):
+        raise TypeError(f"{spec.rpartition(':')[0]}:{spec.rpartition(':')[2]} is a {type(fn).__name__}, "
+                        "not a function or class")
+    return fn
+
+
+def load_object(spec: str, what: str) -> Any:
+    """What ``"package.module:name"`` or ``"path/to/file.py:name"`` names (a user's reward function,
+    environment class or advantage estimator)."""
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name:
         raise ValueError(f"{what} spec {spec!r} must be 'package.module:name' or 'path/to/file.py:name'")
     module = _load_file(where, what) if where.endswith(".py") or "/" in where else _import(where, what)
-    fn = getattr(module, name, None)
-    if fn is None:
+    found = getattr(module, name, None)
+    if found is None:
         raise ValueError(f"{where!r} has no {name!r} (from {what} spec {spec!r})")
-    if not callable(fn):
-        raise TypeError(f"{where}:{name} is a {type(fn).__name__}, not a function or class")
-    return fn
+    return found
 
 
 def _import(name: str, what: str) -> Any:

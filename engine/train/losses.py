@@ -118,7 +118,7 @@ class PolicyGradient:
         # the response tokens this rank's loss covers: all, or with SP its slice's; so the all-rank
         # token count below counts each token once (a row once: sp ranks hold it)
         mask = mini.loss_mask * root.response_mask(attn, mini.response_ids.shape[1])
-        seq_mode = a.loss_agg != "token-mean"
+        seq_mode = algos.divides_by_rows(a.loss_agg)
         denom = all_reduce_sum(float(len(mini)) / a.sp if seq_mode else float(mask.sum()))
         prompt_width = attn.shape[1] - mini.response_ids.shape[1] if a.share_prompts else 0
         return [partial(self._loss, root, mini, r, ids, attn, pos, mask, denom, stats)
@@ -144,7 +144,7 @@ class PolicyGradient:
             means["training/rollout_probs_diff_mean"] = algos.masked_mean(diff, mask)
             stats.setdefault("training/rollout_probs_diff_max", []).append(_group_max(root, diff.max()))
         weights = None
-        if self.correction != "none":
+        if self.correction != algos.NO_CORRECTION:
             if not mini.rollout_logprobs.numel():
                 raise RuntimeError("algorithm.rollout_correction needs the rollout engine's logprobs; "
                                    "this batch has none")

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from rlflow.engine.algos import (
-    ADVANTAGE_ESTIMATORS,
     ADVANTAGES,
+    ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGS,
     POLICY_LOSSES,
     ROLLOUT_CORRECTIONS,
     AdaptiveKLController,
+    AdvantageInputs,
     FixedKLController,
     agg_loss,
-    compute_advantages,
     dpo_loss,
     dynamic_sampling_rows,
     entropy_from_logits,
@@ -41,6 +41,16 @@ from rlflow.engine.algos import (
     value_loss,
     varied_groups,
 )
+
+
+def compute_advantages(name: str, scores: torch.Tensor, mask: torch.Tensor, group_size: int, gamma: float = 1.0,
+                       token_rewards: torch.Tensor | None = None, baseline: torch.Tensor | None = None,
+                       values: torch.Tensor | None = None) -> torch.Tensor:
+    """The registered estimator's advantages [N, T], as the advantage stage asks for them (each
+    score on its row's last token unless `token_rewards` say otherwise)."""
+    rewards = on_last_token(scores, mask) if token_rewards is None else token_rewards
+    return ESTIMATORS[name].compute(AdvantageInputs(scores, mask, group_size, rewards, gamma, 1.0, baseline,
+                                                    values))[0]
 from rlflow.engine.config import ActorConfig, AlgorithmConfig
 
 
@@ -180,10 +190,8 @@ def test_reinforce_pp_empty_row_stays_zero() -> None:
 
 
 def test_compute_advantages_errors() -> None:
-    with pytest.raises(ValueError, match="unknown advantage estimator"):
+    with pytest.raises(ValueError, match="gae reads a critic's values"):
         compute_advantages("gae", SCORES, torch.ones(4, 2), group_size=4)
-    with pytest.raises(ValueError, match="token_rewards"):
-        compute_advantages("grpo", SCORES, torch.ones(4, 2), 4, token_rewards=torch.ones(4, 2))
     with pytest.raises(ValueError, match="grpo needs group_size >= 2"):
         compute_advantages("grpo", SCORES, torch.ones(4, 2), group_size=1)
 
@@ -192,10 +200,8 @@ def test_remax_subtracts_the_greedy_score() -> None:
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
     adv = compute_advantages("remax", torch.tensor([1.0, 0.0, 1.0]), mask, 1, baseline=torch.tensor([1.0, 1.0, 0.0]))
     close(adv, [[0.0, 0.0], [-1.0, 0.0], [1.0, 1.0]])
-    with pytest.raises(ValueError, match="greedy baseline"):
+    with pytest.raises(ValueError, match="greedy answer"):
         compute_advantages("remax", torch.ones(3), mask, 1)
-    with pytest.raises(ValueError, match="greedy baseline"):
-        compute_advantages("drgrpo", torch.ones(2), mask[:2], 2, baseline=torch.ones(2))
 
 
 GAE_REWARDS = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 9.0]])
@@ -566,10 +572,7 @@ R_ADV = torch.randn(N, T, generator=GEN) * R_MASK  # [N, T]
 
 def advantages_for(estimator: str) -> torch.Tensor:
     """Advantages [N, T] the way the advantage stage computes them for `algorithm.advantage=estimator`."""
-    if estimator == "gae":  # the critic's values; whitened as the stage does
-        return masked_whiten(gae(on_last_token(R_SCORES, R_MASK), R_VALUES, R_MASK, 1.0, 1.0)[0], R_MASK)
-    baseline = R_GREEDY if estimator == "remax" else None
-    return compute_advantages(estimator, R_SCORES, R_MASK, G, baseline=baseline)
+    return compute_advantages(estimator, R_SCORES, R_MASK, G, baseline=R_GREEDY, values=R_VALUES)
 
 
 @pytest.mark.parametrize("estimator", [a for a in ADVANTAGES if a != AlgorithmConfig().advantage])
@@ -728,8 +731,10 @@ def test_advantages_skip_observation_tokens_inside_an_episode():
     torch.testing.assert_close(adv2[trained], adv[mask.bool()])
     torch.testing.assert_close(ret2[trained], ret[mask.bool()])
     assert (adv2[~trained] == 0).all() and (ret2[~trained] == 0).all()
-    for est in ADVANTAGE_ESTIMATORS:
-        extra = {"baseline": torch.randn(N)} if est == "remax" else {}
+    for est in ESTIMATORS:
+        if ESTIMATORS[est].critic:
+            continue  # GAE, above
+        extra = {"baseline": torch.randn(N)}
         a = compute_advantages(est, scores, mask, 2, 0.9, **extra)
         a2 = compute_advantages(est, scores, padded_mask, 2, 0.9, **extra)
         torch.testing.assert_close(a2[trained], a[mask.bool()], msg=est)

@@ -287,7 +287,9 @@ def test_every_key_has_a_meaning_within_the_budget():
 
 
 def test_algorithm_switches_accept_exactly_what_the_math_dispatches_on():
-    assert CHOICES["algorithm.advantage"] is algos.ADVANTAGES and CHOICES["actor.policy_loss"] is algos.POLICY_LOSSES
+    assert CHOICES["actor.policy_loss"] is algos.POLICY_LOSSES
+    with pytest.raises(ConfigError, match="choose one of \\['grpo', 'drgrpo', 'rloo', 'reinforce_pp'"):
+        load_config(None, ["algorithm.advantage=ppo2"])  # algos.ESTIMATORS, or an Estimator of the user's own
     assert CHOICES["actor.loss_agg"] is algos.LOSS_AGGS
     assert CHOICES["actor.kl_loss_type"] is CHOICES["algorithm.kl_penalty"] is algos.KL_ESTIMATORS
     cfg = load_config(None, ["actor.kl_loss_type=low_var_kl", "algorithm.kl_penalty=low_var_kl"])

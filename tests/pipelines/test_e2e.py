@@ -384,6 +384,20 @@ def test_tensor_parallel_generation_agrees_with_the_trainer(tmp_path):
     assert max(v for _, v in diff) < 1e-5, diff
 
 
+def test_an_estimator_of_the_users_own_runs_end_to_end(tmp_path):
+    """The custom-algorithm how-to's estimator, as its page writes it, named by file: the run carries
+    its name, and its advantages are its own (+1, 0 or -1 on every trained token; GRPO's are not
+    whole numbers)."""
+    page = (ROOT / "docs" / "howto" / "custom-algorithm.md").read_text()
+    (tmp_path / "my_estimator.py").write_text(re.search(r"```python\n# my_estimator.py\n(.*?)```", page, re.S)[1])
+    rlflow(tmp_path, "out", "algorithm.advantage=my_estimator.py:SIGN", "trainer.total_steps=2", "trainer.val_every=0")
+    client, run = only_run(tmp_path)
+    assert run.data.tags["algorithm"] == "sign" and run.info.status == "FINISHED"
+    metrics = history(client, run.info.run_id)
+    extremes = [v for k in ("critic/advantages/max", "critic/advantages/min") for _, v in metrics[k]]
+    assert len(extremes) == 4 and set(extremes) <= {-1.0, 0.0, 1.0} and 1.0 in extremes, extremes
+
+
 def test_a_notebook_trains_through_the_python_api(tmp_path):
     """`rlflow.train(recipe, overrides)` runs the job the CLI runs and returns its MLflow run id; a
     setting that cannot work is a ConfigError before anything starts."""
