@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rlflow.engine.agents.env import Environment, Step
-    from rlflow.engine.algos import AdvantageInputs, Estimator
     from rlflow.engine.agents.tools import CALCULATOR, Tool, python_tool
+    from rlflow.engine.algos import AdvantageInputs, Estimator
     from rlflow.engine.config import Config, ConfigError, load_config
     from rlflow.engine.data.prompts import Prompt
     from rlflow.engine.data.rewards import ComputeScore

@@ -41,6 +41,7 @@ from rlflow.engine.algos import (
     value_loss,
     varied_groups,
 )
+from rlflow.engine.config import ActorConfig, AlgorithmConfig
 
 
 def compute_advantages(name: str, scores: torch.Tensor, mask: torch.Tensor, group_size: int, gamma: float = 1.0,
@@ -51,7 +52,6 @@ def compute_advantages(name: str, scores: torch.Tensor, mask: torch.Tensor, grou
     rewards = on_last_token(scores, mask) if token_rewards is None else token_rewards
     return ESTIMATORS[name].compute(AdvantageInputs(scores, mask, group_size, rewards, gamma, 1.0, baseline,
                                                     values))[0]
-from rlflow.engine.config import ActorConfig, AlgorithmConfig
 
 
 def close(actual: torch.Tensor, expected: list | float, atol: float = 1e-5) -> None:
