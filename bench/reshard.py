@@ -51,7 +51,7 @@ SHAPES = {**QWEN25, "tiny": TINY, "deep": dict(TINY, num_hidden_layers=28)}
 
 
 def peak_gb(device: str) -> float:
-    from rlflow.engine.rollout import vmm
+    from rlflow.engine import vmm
 
     return vmm.peak_bytes() / 2**30 if device == "cuda" else 0.0
 

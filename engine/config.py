@@ -404,7 +404,7 @@ def estimator_of(spec: str) -> algos.Estimator:
     if ":" not in spec:
         raise ConfigError(f"algorithm.advantage={spec!r}; choose one of {list(ADVANTAGES)}, or name an Estimator "
                           "of your own as FILE.py:NAME (docs/howto/custom-algorithm.md)")
-    from rlflow.engine.data.rewards import load_object
+    from rlflow.engine.specs import load_object
 
     try:
         found = load_object(spec, "advantage estimator")

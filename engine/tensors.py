@@ -1,7 +1,7 @@
 """Device and tensor helpers shared by rollout, training, data and the stages.
 
 One owner, so that no concern borrows them from another's model file. Imports only torch and,
-for `peak_memory`, engine/rollout/vmm.py (which imports no project module).
+for `peak_memory`, engine/vmm.py (which imports no project module).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlflow.engine.rollout import vmm
+from rlflow.engine import vmm
 
 
 def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -89,7 +89,7 @@ def check_inputs(cfg: Config, model: bool = True) -> None:
     (`model=False` for eval, whose model is its argument), the data files and their rows' data
     sources, the reward model and function, the environment."""
     from rlflow.engine.agents.env import check_environment
-    from rlflow.engine.data.rewards import load_function
+    from rlflow.engine.specs import load_function
 
     if model and not cfg.model.path:
         raise ConfigError("model.path is not set: name a HF model directory or a Hub id (org/name); "

@@ -38,12 +38,12 @@ from transformers import AutoTokenizer
 from rlflow.engine.agents.episodes import run_episodes
 from rlflow.engine.batch import Batch, RolloutRequest, Update
 from rlflow.engine.config import Config
-from rlflow.engine.data.rewards import load_function
 from rlflow.engine.reshard import WeightBroadcast
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.engine.rollout.build import build_rollout, weights_dtype
 from rlflow.engine.rollout.model import TP
 from rlflow.engine.rollout.native import NativeRollout
+from rlflow.engine.specs import load_function
 from rlflow.engine.tensors import left_pad, peak_memory, right_pad
 from rlflow.engine.train import lora
 from rlflow.engine.train.fsdp import DTYPES

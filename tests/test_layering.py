@@ -118,6 +118,40 @@ def test_no_import_circle():
     assert not cycles, "import circles:\n" + "\n".join(cycles)
 
 
+def part(module: str) -> str:
+    """The part of the project a module belongs to: one of engine's folders (rollout, train, data,
+    agents), or a module of engine's own (config, tensors, vmm, ...), or stages, or pipelines."""
+    parts = module.split(".")[1:]  # rlflow.engine.rollout.model -> engine, rollout, model
+    if parts[0] != "engine" or len(parts) < 2:
+        return parts[0]
+    return "/".join(parts[:2]) if (ROOT / parts[0] / parts[1]).is_dir() else ".".join(parts[:2])
+
+
+def test_no_circle_between_engines_folders_and_shared_modules():
+    """Folder by folder the imports still point one way: no engine folder imports another that
+    imports it back, directly or through a shared module (tensors, config, ...), function-local
+    imports included."""
+    mods = project_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        graph.setdefault(part(name), set()).update(part(t) for t in import_edges(name, path, mods))
+    cycles, state = [], dict.fromkeys(graph, 0)
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node] - {node}):
+            if state[nxt] == 1:
+                cycles.append(" -> ".join(path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]))
+            elif state[nxt] == 0:
+                visit(nxt, path + [node])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if state[node] == 0:
+            visit(node, [])
+    assert not cycles, "circles between the project's parts:\n" + "\n".join(cycles)
+
+
 def test_no_stage_defines_more_than_six_verbs_of_its_own():
     """A stage's public methods, less those it overrides (a wrapper such as the hybrid policy
     delegates to the policy's): six at most, so that no stage grows back into a god object."""

@@ -82,7 +82,7 @@ def offered_tools(spec: str) -> list[dict] | None:
     environment or no tools): what the chat template renders into its prompts."""
     if not spec:
         return None
-    from rlflow.engine.data.rewards import load_function
+    from rlflow.engine.specs import load_function
 
     return [tool.schema() for tool in getattr(load_function(spec, "environment"), "tools", [])] or None
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from rlflow.engine.agents.env import Step, as_step, call_all
 from rlflow.engine.agents.tools import PARSERS, Tool, ToolResult, run_call
+from rlflow.engine.data.prompts import Renderer
 from rlflow.engine.rollout.base import Completion, Request, RolloutEngine, SamplingParams
 
 log = logging.getLogger("rlflow.agents")
@@ -71,29 +72,6 @@ class Episode:
     def answer(self) -> str:
         """The last model turn's text: what a reward function scores."""
         return next((m["content"] for m in reversed(self.messages) if m["role"] == "assistant"), "")
-
-
-class Renderer:
-    """Observations as token ids: chat messages rendered by the tokenizer's template as they would
-    follow an assistant turn (with the tools offered), then encoded once."""
-
-    def __init__(self, tokenizer: Any, tools: list[dict] | None) -> None:
-        self.tokenizer, self.tools = tokenizer, tools or None
-        self.base = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
-        self.head = tokenizer.apply_chat_template(self.base, tools=self.tools, tokenize=False)
-        eos = tokenizer.eos_token or ""
-        end = self.head.rfind(eos) if eos else -1
-        self.after_eos = self.head[end + len(eos):] if end >= 0 else ""  # what the template puts after a turn's end
-
-    def __call__(self, messages: list[dict], ended: bool) -> list[int]:
-        """The ids of `messages` after a model turn that `ended` with eos (else eos comes first)."""
-        full = self.tokenizer.apply_chat_template(self.base + messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=True)
-        if not full.startswith(self.head):
-            raise ValueError("the chat template renders a conversation's start differently once more turns "
-                             "follow; observations cannot be appended as ids")
-        text = ("" if ended else self.tokenizer.eos_token or "") + self.after_eos + full[len(self.head):]
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @dataclass

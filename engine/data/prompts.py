@@ -316,8 +316,6 @@ def _demonstration(tokenizer: Any, prompt: list[dict], turns: list[dict], tools:
                    max_prompt_tokens: int, max_response_tokens: int) -> Example:
     """A multi-turn example as an episode holds it (engine/agents/episodes.py): each assistant turn
     its content's tokens and eos, trained; the turns between, rendered as observations, not."""
-    from rlflow.engine.agents.episodes import Renderer
-
     render = Renderer(tokenizer, tools)
     ids: list[int] = []
     trained: list[float] = []
@@ -335,6 +333,29 @@ def _demonstration(tokenizer: Any, prompt: list[dict], turns: list[dict], tools:
     if len(ids) > max_response_tokens:
         raise _Overlong(f"demonstration is {len(ids)} tokens, over its budget of {max_response_tokens}")
     return Example(_prompt_ids(tokenizer, prompt, max_prompt_tokens, tools)[0], ids, trained)
+
+
+class Renderer:
+    """Observations as token ids: chat messages rendered by the tokenizer's template as they would
+    follow an assistant turn (with the tools offered), then encoded once."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict] | None) -> None:
+        self.tokenizer, self.tools = tokenizer, tools or None
+        self.base = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+        self.head = tokenizer.apply_chat_template(self.base, tools=self.tools, tokenize=False)
+        eos = tokenizer.eos_token or ""
+        end = self.head.rfind(eos) if eos else -1
+        self.after_eos = self.head[end + len(eos):] if end >= 0 else ""  # what the template puts after a turn's end
+
+    def __call__(self, messages: list[dict], ended: bool) -> list[int]:
+        """The ids of `messages` after a model turn that `ended` with eos (else eos comes first)."""
+        full = self.tokenizer.apply_chat_template(self.base + messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=True)
+        if not full.startswith(self.head):
+            raise ValueError("the chat template renders a conversation's start differently once more turns "
+                             "follow; observations cannot be appended as ids")
+        text = ("" if ended else self.tokenizer.eos_token or "") + self.after_eos + full[len(self.head):]
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def pairs_batch(pairs: list[Pair], pad_id: int) -> Batch:

@@ -22,8 +22,6 @@ Run its tests with ``python -m pytest tests/engine/data/test_rewards.py -q``.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import logging
 import math
 import queue
@@ -37,6 +35,7 @@ from typing import Any, Protocol
 
 from rlflow.engine.data import task
 from rlflow.engine.data.sandbox import run_python
+from rlflow.engine.specs import load_function
 
 log = logging.getLogger("rlflow.reward")
 
@@ -52,51 +51,6 @@ class ComputeScore(Protocol):
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: str,
                  extra_info: dict | None = None) -> float | dict[str, float]: ...
-
-
-def load_function(spec: str, what: str = "reward function") -> Callable:
-    """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"`` to a callable (a
-    class too: an environment is named the same way)."""
-    fn = load_object(spec, what)
-    if not callable(fn):
-        raise TypeError(f"{spec.rpartition(':')[0]}:{spec.rpartition(':')[2]} is a {type(fn).__name__}, "
-                        "not a function or class")
-    return fn
-
-
-def load_object(spec: str, what: str) -> Any:
-    """What ``"package.module:name"`` or ``"path/to/file.py:name"`` names (a user's reward function,
-    environment class or advantage estimator)."""
-    where, sep, name = spec.rpartition(":")
-    if not sep or not where or not name:
-        raise ValueError(f"{what} spec {spec!r} must be 'package.module:name' or 'path/to/file.py:name'")
-    module = _load_file(where, what) if where.endswith(".py") or "/" in where else _import(where, what)
-    found = getattr(module, name, None)
-    if found is None:
-        raise ValueError(f"{where!r} has no {name!r} (from {what} spec {spec!r})")
-    return found
-
-
-def _import(name: str, what: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):  # not a dependency
-            raise ValueError(f"cannot import {what} module {name!r}: {e}") from e
-        raise
-
-
-def _load_file(path: str, what: str) -> Any:
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"{what} file not found: {path}")
-    # Not registered in sys.modules, so cloudpickle ships the function by value to Ray workers.
-    module_spec = importlib.util.spec_from_file_location(f"rlflow_reward_{file.stem}", file)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward function file must be a .py file: {path}")
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def _extract(text: str, method: str) -> float | None:

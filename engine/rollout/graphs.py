@@ -11,7 +11,7 @@ sampling step is then one uniform draw, one replay and one copy of `picked` to t
 Invariants:
 - a graph reads its inputs (`ids`, `kv_lens`, `uniform`, `inv_t`) and the KV cache at the addresses
   they had at capture: the engine writes into them in place, and a released cache comes back at the
-  same addresses (engine/rollout/vmm.py);
+  same addresses (engine/vmm.py);
 - capture runs with every slot idle (kv_len 0), before any prefill of the call: the warm-up decodes
   write K/V into column 0 of the slots only;
 - a step's picks are copied out (`copy_out`) before the next replay overwrites them.

@@ -31,8 +31,8 @@ from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from rlflow.engine.rollout import fp8, kernels
-from rlflow.engine.rollout.vmm import StableBuffer
 from rlflow.engine.tensors import consecutive_group, fused
+from rlflow.engine.vmm import StableBuffer
 
 SUPPORTED = ("qwen2", "qwen3", "llama")
 # HF name piece -> (fused module name, shard id)
@@ -232,7 +232,7 @@ class KVCache:
 
     Head-major per slot, so decode attends over `k[layer, :B, :, :W]`, a view: no gather.
     `free` and `allocate` give the memory back and take it again, zeroed. On CUDA it lives in a
-    `StableBuffer` (engine/rollout/vmm.py): it comes back at the same addresses, so the decode graphs
+    `StableBuffer` (engine/vmm.py): it comes back at the same addresses, so the decode graphs
     that point into it stay valid. Elsewhere it is freed and allocated through torch."""
 
     def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
@@ -435,7 +435,7 @@ class NativeCausalLM(nn.Module):
     def materialize(self, device: str | torch.device, dtype: torch.dtype) -> NativeCausalLM:
         """Uninitialised storage in `dtype` for a model built on the meta device (fp8 weights and
         their scales, `fp8_weight`'s, keep their own dtypes). On CUDA every parameter lies in one
-        StableBuffer (engine/rollout/vmm.py), so `release_weights` can give the memory back while
+        StableBuffer (engine/vmm.py), so `release_weights` can give the memory back while
         training runs, and the next write takes it again at the same addresses, which the decode
         graphs hold."""
         device = torch.device(device)

@@ -46,7 +46,7 @@ Invariants (those of engine/rollout/base.py, plus):
 - `release_memory` gives the KV cache's memory back (with `weights=True` the weights' too: on
   CUDA their values are then lost, and `generate` refuses to run until they are written again);
   `generate` refuses to run until `resume_memory`. On CUDA, the only place decode graphs exist,
-  both return at the same addresses (engine/rollout/vmm.py), so the graphs that point into them are kept.
+  both return at the same addresses (engine/vmm.py), so the graphs that point into them are kept.
 
 Run: the tests in tests/engine/rollout/test_native.py (CPU, fp32, the tiny embedded model).
 """

@@ -310,7 +310,7 @@ def test_sft_reads_trls_messages_and_prompt_completion_rows(tmp_path, tokenizer)
     four = enc("4") + [eos]
     assert examples[1] == Example(enc("2+2="), four)
     assert examples[0] == examples[2] == Example(enc("2+2="), four, [1.0] * len(four))
-    from rlflow.engine.agents.episodes import Renderer  # the second user turn, rendered as an episode's observation
+    from rlflow.engine.data.prompts import Renderer  # the second user turn, rendered as an episode's observation
 
     between, ten = Renderer(tokenizer, None)([user("5+5=")], ended=True), enc("10") + [eos]
     assert examples[3] == Example(enc("2+2="), four + between + ten,

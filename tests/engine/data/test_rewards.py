@@ -17,10 +17,10 @@ from rlflow.engine.data.rewards import (
     RewardFunction,
     gsm8k_score,
     last_boxed,
-    load_function,
     math_score,
     python_exec_score,
 )
+from rlflow.engine.specs import load_function
 
 
 @pytest.mark.parametrize("text, truth, method, expected", [

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rlflow.engine.rollout import vmm
+from rlflow.engine import vmm
 
 pytestmark = pytest.mark.gpu
 
