@@ -183,7 +183,7 @@ def chunked_token_stats(head: torch.nn.Module, hidden: torch.Tensor, targets: to
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-class Policy(nn.Module):
+class ResponseLM(nn.Module):
     """A HF causal LM behind one forward that returns response-token statistics. Under FSDP2 this
     is the root: its hooks unshard the embeddings, final norm and lm_head around the whole
     forward (the chunked lm_head included) and reduce their gradients.
@@ -230,15 +230,15 @@ def forward_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, position
                      responses: torch.Tensor, temperature: float, pack: bool, entropy: bool = True,
                      chunk: int = LOGITS_CHUNK_TOKENS, share: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The trainer's forward: response logprobs and entropies [n, R] in float32 on the model's
-    device, 0 where the response is padding (entropy 0 unless asked for). `model` is a Policy
+    device, 0 where the response is padding (entropy 0 unless asked for). `model` is a ResponseLM
     (a TrainEngine's `root`) or a plain HF causal LM. Sequence-parallel, only this rank's tokens
-    (`Policy.response_mask`) are filled in. With `share`, rows with the same prompt compute it once
+    (`ResponseLM.response_mask`) are filled in. With `share`, rows with the same prompt compute it once
     (`shared_prompt_row`; the model must run the attention `attn_implementation` picks for it).
     ids/mask/positions: [n, P+R]; responses: [n, R]; all on one device, best the host's (see
     `response_hidden`)."""
-    if not isinstance(model, Policy) and isinstance(next(model.parameters()), DTensor):
+    if not isinstance(model, ResponseLM) and isinstance(next(model.parameters()), DTensor):
         raise TypeError("an FSDP-sharded model runs forwards through its TrainEngine's `root`")
-    policy = model if isinstance(model, Policy) else Policy(model)
+    policy = model if isinstance(model, ResponseLM) else ResponseLM(model)
     valid = policy.response_mask(mask, responses.shape[1])  # [n, R], where the inputs are (see response_hidden)
     logp, ent = policy(ids, mask, positions, valid, responses[valid], temperature or 1.0, pack, entropy, chunk, share)
     return scatter_valid(valid, logp), scatter_valid(valid, ent)
@@ -289,7 +289,7 @@ def process_group(device: torch.device) -> None:
 
 class TrainEngine:
     """A HF model under FSDP2 over the default process group's W ranks: every decoder layer its own
-    unit, the embeddings, final norm and head in the root (`root`, a Policy for the actor). Master
+    unit, the embeddings, final norm and head in the root (`root`, a ResponseLM for the actor). Master
     weights and AdamW state are float32 shards; forward and backward run in `dtype`; gradients
     are reduced in float32 and summed (not averaged) over ranks, because losses already divide by
     all-rank counts.
@@ -303,17 +303,17 @@ class TrainEngine:
                  sp: int = 1, compile_layers: bool = False, share_prompts: bool = False,
                  lora: LoraConfig | None = None, seed: int = 0, **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
-        (default `Policy`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
-        decoder layer's activations in backward instead of keeping them; `sp` > 1 runs the Policy's
+        (default `ResponseLM`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
+        decoder layer's activations in backward instead of keeping them; `sp` > 1 runs the ResponseLM's
         forwards sequence-parallel over groups of `sp` consecutive ranks, which must pass the same rows;
         `share_prompts` picks the attention that shared-prompt forwards need (`attn_implementation`);
         `lora` trains PEFT adapters (engine/train/lora.py, drawn from `seed`) on a frozen base kept in `dtype`: nothing
         updates it, so it needs no float32 master copy, and the optimizer holds the adapters' state only."""
-        root = root or Policy
+        root = root or ResponseLM
         self.device = torch.device(device)
         process_group(self.device)
-        if sp > 1 and root is not Policy:
-            raise ValueError("sequence parallelism runs only the Policy root's forwards")
+        if sp > 1 and root is not ResponseLM:
+            raise ValueError("sequence parallelism runs only the ResponseLM root's forwards")
         sp_group = consecutive_group(sp) if sp > 1 else None  # collective: before any other group
         attn = ulysses.NAME if sp > 1 else attn_implementation(self.device, DTYPES[dtype], share_prompts)
         self.model: Any = model_cls.from_pretrained(model_path, dtype=DTYPES[dtype] if lora else torch.float32,

@@ -35,7 +35,7 @@ from rlflow.engine.config import Config
 from rlflow.engine.tensors import to_device
 from rlflow.engine.train.batching import micro_batches
 from rlflow.engine.train.fsdp import (
-    Policy,
+    ResponseLM,
     TrainEngine,
     all_reduce_sum,
     all_reduce_sums,
@@ -61,7 +61,7 @@ class Evaluated(Loss, Protocol):
         ...
 
 
-def no_step(root: Policy, micro: list[Micro]) -> float:
+def no_step(root: ResponseLM, micro: list[Micro]) -> float:
     """The sum of micro-batch losses, without gradients; as many forwards as every other rank runs."""
     total = 0.0
     with torch.no_grad():
@@ -72,7 +72,7 @@ def no_step(root: Policy, micro: list[Micro]) -> float:
     return total
 
 
-def sp_members(root: Policy, batch: Batch) -> tuple[list[Batch], int]:
+def sp_members(root: ResponseLM, batch: Batch) -> tuple[list[Batch], int]:
     """The batches of this rank's SP group in rank order (just `batch` without sequence
     parallelism) and this rank's index among them: the group trains on all their rows."""
     group = root.sp_group
@@ -112,7 +112,7 @@ class PolicyGradient:
                 stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(out["loss"]))
         return step_metrics(stats)
 
-    def _micro_losses(self, root: Policy, mini: Batch, stats: dict[str, list]) -> list[Micro]:
+    def _micro_losses(self, root: ResponseLM, mini: Batch, stats: dict[str, list]) -> list[Micro]:
         a = self.actor
         ids, attn, pos = mini.sequences()
         # the response tokens this rank's loss covers: all, or with SP its slice's; so the all-rank
@@ -125,7 +125,7 @@ class PolicyGradient:
                 for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences, mini.group_size,
                                        prompt_width)]
 
-    def _loss(self, root: Policy, mini: Batch, r: torch.Tensor, ids, attn, pos, owned: torch.Tensor, denom: float,
+    def _loss(self, root: ResponseLM, mini: Batch, r: torch.Tensor, ids, attn, pos, owned: torch.Tensor, denom: float,
               stats) -> torch.Tensor:
         """One micro-batch's loss over this rank's `owned` response tokens, computed on the model's
         device. Its metrics stay device tensors until the step ends: reading one here would hold
@@ -168,7 +168,7 @@ class PolicyGradient:
         return loss
 
 
-def _group_means(root: Policy, means: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+def _group_means(root: ResponseLM, means: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, torch.Tensor]:
     """Masked means over this rank's `tokens` -> the same means over the SP group's tokens
     (the whole rows, as without SP). 0-dim device tensors in and out."""
     group = root.sp_group
@@ -179,7 +179,7 @@ def _group_means(root: Policy, means: dict[str, torch.Tensor], tokens: torch.Ten
     return dict(zip(means, t[:-1] / t[-1].clamp(min=1e-8)))
 
 
-def _group_max(root: Policy, value: torch.Tensor) -> torch.Tensor:
+def _group_max(root: ResponseLM, value: torch.Tensor) -> torch.Tensor:
     group = root.sp_group
     if group is None:
         return value
@@ -204,7 +204,7 @@ class Supervised:
     def evaluate(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         return {"sft/loss": all_reduce_sum(no_step(trainer.root, self._micro_losses(trainer.root, batch)))}
 
-    def _micro_losses(self, root: Policy, batch: Batch) -> list[Micro]:
+    def _micro_losses(self, root: ResponseLM, batch: Batch) -> list[Micro]:
         ids, attn, pos = batch.sequences()
         denom = all_reduce_sum(float(batch.loss_mask.sum()))
 
@@ -251,7 +251,7 @@ class Preference:
         *totals, every = all_reduce_sums([*sums.values(), float(pairs)])
         return {f"dpo/{k}": v / every for k, v in zip(sums, totals)}
 
-    def _micro_losses(self, root: Policy, mini: Batch, sums: dict[str, float]) -> list[Micro]:
+    def _micro_losses(self, root: ResponseLM, mini: Batch, sums: dict[str, float]) -> list[Micro]:
         ids, attn, pos = mini.sequences()  # [2b, L]
         pairs = len(mini) // 2
         denom = all_reduce_sum(float(pairs))  # the loss is a mean over every rank's pairs
@@ -260,7 +260,7 @@ class Preference:
         return [partial(self._loss, root, mini, torch.stack([2 * c, 2 * c + 1], 1).flatten(), ids, attn, pos,
                         denom, sums) for c in chunks]
 
-    def _loss(self, root: Policy, mini: Batch, r: torch.Tensor, ids, attn, pos, denom: float,
+    def _loss(self, root: ResponseLM, mini: Batch, r: torch.Tensor, ids, attn, pos, denom: float,
               sums: dict[str, float]) -> torch.Tensor:
         # DPO compares the models' own distributions: temperature 1, as the reference scores them
         logp, _ = forward_logprobs(root, ids[r], attn[r], pos[r], mini.response_ids[r], 1.0, self.pack, entropy=False)
