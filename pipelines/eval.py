@@ -31,8 +31,8 @@ from rlflow.engine.batch import Batch
 from rlflow.engine.config import Config
 from rlflow.engine.data.prompts import load_prompts
 from rlflow.engine.tracking import Tracker
-from rlflow.pipelines.grpo import rollout, summarise
-from rlflow.pipelines.runtime import WORKER_LOST, how_lost, launch_scoring
+from rlflow.pipelines.grpo import summarise
+from rlflow.pipelines.runtime import WORKER_LOST, how_lost, launch_scoring, rollout
 
 
 def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[list[Batch], list[Batch]]:

@@ -31,7 +31,7 @@ in both placements.
 
 Asynchronous (`trainer.max_staleness` = k > 0, split only): the driver keeps the next k steps'
 generations queued on the rollout pool while the trainer updates, and after the graph pushes the
-new weights, which the pool takes as it starts its next batch (`GRPO._ahead`, `GRPO.after_step`).
+new weights, which the pool takes as it starts its next batch (`pipelines/ahead.py`).
 The graph then takes scored batches, as with dynamic sampling. k = 1 is one step off, with the
 same versions every run; from k = 2 the pool never idles, and a batch's version depends on timing.
 
@@ -40,11 +40,9 @@ Run: `rlflow train [RECIPE] [key=value ...]` (`rlflow recipes` lists them).
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from transformers import AutoTokenizer
 
@@ -57,19 +55,8 @@ from rlflow.engine.tracking import Tracker
 from rlflow.engine.train.batching import balance
 from rlflow.engine.train.losses import PolicyGradient
 from rlflow.pipelines import driver
-from rlflow.pipelines.runtime import (
-    SUBMIT,
-    WORKER_LOST,
-    Generator,
-    Group,
-    Stages,
-    how_lost,
-    launch,
-    rebuild_rollout,
-    rollout_lost,
-    settle,
-    wait,
-)
+from rlflow.pipelines.ahead import Ahead
+from rlflow.pipelines.runtime import Generator, Stages, launch, rollout, shards
 from rlflow.stages.advantage import Advantage
 from rlflow.stages.critic import Critic
 from rlflow.stages.policy import Policy
@@ -106,35 +93,6 @@ def step_graph(stages: Stages, inputs: list[Any], loss: PolicyGradient, sampled:
             batch = stages.critic.at(rank, Critic.update, batch)  # clipped value regression on the GAE returns
         updates.append(stages.policy.at(rank, Policy.update, batch, loss))  # PPO-clip epochs over mini-batches
     return updates, stages.sync.after_update(updates) if sync else []  # colocated: nothing; split: a push
-
-
-def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
-    """Every prompt, in n contiguous shards whose sizes differ by at most one (equal when n divides
-    them, as a training step's do), so every prompt's group stays on one rank."""
-    return [prompts[i * len(prompts) // n:(i + 1) * len(prompts) // n] for i in range(n)]
-
-
-def rollout(generator: Group[Generator] | None, reward: Group[Reward] | None, prompts: list[Prompt], step: int,
-            greedy: bool = False, samples: int = 0) -> list[Batch]:
-    """Generate and score `prompts` over the ranks with plain calls, outside the step graph
-    (validation, dynamic sampling, `rlflow eval`).
-
-    Every rank generates (tensor-parallel ranks generate together), also one left without a
-    prompt when there are fewer prompts than ranks; its empty batch is not scored."""
-    assert generator is not None
-    return wait(submit_rollout(generator, reward, prompts, step, greedy, samples), SUBMIT, generator.timeout)
-
-
-def submit_rollout(generator: Group[Generator], reward: Group[Reward] | None, prompts: list[Prompt], step: int,
-                   greedy: bool = False, samples: int = 0) -> list[Any]:
-    """`rollout`'s calls, submitted and not waited for: each rank's scored batch, to come (without
-    `reward`, its generated batch)."""
-    gen, score = generator.bound(SUBMIT), reward.bound(SUBMIT) if reward else None
-    refs = []
-    for rank, part in enumerate(shards(prompts, gen.size)):
-        batch = gen.at(rank, Generator.generate, RolloutRequest(part, step, greedy, samples))
-        refs.append(score.at(rank, Reward.score, batch) if part and score else batch)
-    return refs
 
 
 def validate(stages: Stages, prompts: list[Prompt], step: int, k: int) -> dict[str, float]:
@@ -237,16 +195,17 @@ class GRPO:
         self.tries = cfg.algorithm.dynamic_sampling_tries  # > 0: the driver generates and filters before the graph
         self.loss = PolicyGradient(cfg)
         self.greedy_baseline = estimator_of(cfg.algorithm.advantage).greedy_baseline  # a scored greedy answer too
-        self.ahead = cfg.trainer.max_staleness  # > 0: the coming steps' batches generate during this one's update
-        self.queued: deque[list[Any]] = deque()  # generating ahead: batches (refs, one per rank), a step's each
-        self.rollout_rebuilds = 0  # generating ahead: rollout pools replaced while training went on
+        # the coming steps' batches generating during this one's update (trainer.max_staleness > 0)
+        self.ahead = Ahead(cfg, model_path) if cfg.trainer.max_staleness else None
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
-        return step_graph(stages, inputs, self.loss, sampled=self.tries > 0 or self.ahead > 0, sync=not self.ahead)
+        return step_graph(stages, inputs, self.loss, sampled=self.tries > 0 or self.ahead is not None,
+                          sync=self.ahead is None)
 
     def launch(self) -> Stages:
         c = self.cfg
-        self.queued.clear()  # fresh workers: what was generating went with the old ones
+        if self.ahead:
+            self.ahead.reset()
         return launch(c, self.model_path, advantage=True,
                       reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
                       critic=estimator_of(c.algorithm.advantage).critic)
@@ -256,7 +215,7 @@ class GRPO:
         the scored batches it kept, or generating ahead the scored batches generated during the
         last steps (generated now at a run's first step and after a resume)."""
         if self.ahead:
-            return self._ahead(stages, loader, step), {"async/rollout_rebuilds": float(self.rollout_rebuilds)}
+            return self.ahead.batches(stages, loader, step), {"async/rollout_rebuilds": float(self.ahead.rebuilds)}
         if not self.tries:
             parts = shards(loader.next_batch(), stages.workers)
             greedy = [RolloutRequest(s, step, greedy=True) for s in parts] if self.greedy_baseline else []
@@ -264,65 +223,9 @@ class GRPO:
         kept, metrics = dynamic_sample(stages, loader, step, self.tries, self.greedy_baseline)
         return balanced_shards(kept, stages.workers, self.cfg.actor.mini_batch_prompts), metrics
 
-    def _ahead(self, stages: Stages, loader: PromptLoader, step: int) -> list[Any]:
-        """This step's scored batches, once generated, with the next k = `trainer.max_staleness`
-        steps' queued behind them. The pool generates each batch from the newest weights it holds
-        when it starts it, and step s's is queued at step s - k, after version s - k was pushed:
-        no batch is trained on by weights more than k versions newer than its own.
-
-        The loader moves past a batch only when its step takes it: the ones ahead are peeked, so a
-        checkpoint's loader position is a synchronous run's, and a resumed run generates the
-        batches that were in flight again (from the checkpoint's weights), skipping no prompt."""
-        assert stages.reward is not None
-        while True:
-            self._queue(stages, loader, step)
-            try:
-                generated = wait(self.queued[0], SUBMIT, stages.timeout)
-                break
-            except WORKER_LOST as e:  # a batch past the step timeout: the pool hangs, though it may answer
-                self._rebuild_rollout(stages, e, [r for refs in self.queued for r in refs],
-                                      hung=isinstance(e, TimeoutError))
-        self.queued.popleft()
-        loader.next_batch()
-        score = stages.reward.bound(SUBMIT)
-        return wait([score.at(r, Reward.score, b) for r, b in enumerate(generated)], SUBMIT, stages.timeout)
-
-    def _queue(self, stages: Stages, loader: PromptLoader, step: int) -> None:
-        """Submit the generation of this step's batch and the next k, those not queued yet."""
-        assert stages.generator is not None
-        while len(self.queued) <= self.ahead and step + len(self.queued) < self.cfg.trainer.total_steps:
-            # generation only: a score queued now on a worker the trainer shares would hold up its
-            # update (an actor runs its calls in order) until the batch exists
-            ahead = len(self.queued)
-            self.queued.append(submit_rollout(stages.generator, None, loader.peek_batch(ahead), step + ahead))
-
     def after_step(self, stages: Stages, outputs: list[Update]) -> None:
-        """Generating ahead: the rollout pool receives this step's weights beside the generation
-        queued on it (runtime.Broadcast), and takes them as it starts its next batch."""
-        if not self.ahead:
-            return
-        push = stages.sync.bound(SUBMIT).after_update(outputs)
-        try:
-            wait(push, SUBMIT, stages.timeout)
-        except (*WORKER_LOST, ray.exceptions.RayTaskError) as e:  # a push to a dead rank fails on the trainer
-            self._rebuild_rollout(stages, e, push + [r for refs in self.queued for r in refs])
-
-    def _rebuild_rollout(self, stages: Stages, e: Exception, lost: list[Any], hung: bool = False) -> None:
-        """Generating ahead, a rollout worker that died or hangs is replaced while the trainer goes on:
-        a new pool takes the trainer's current weights and generates the queued steps again. Any
-        other loss, or more than `trainer.max_restarts` of these, goes to the driver (`e` raised),
-        which rebuilds every worker from the last checkpoint. `lost`: the calls given up on; `hung`:
-        the pool's generation ran past the step timeout (a worker stuck in a call still answers
-        `alive` on its second thread, so only a dead or stopped one is found by asking)."""
-        limit = self.cfg.trainer.max_restarts
-        if self.rollout_rebuilds >= limit or not (hung or rollout_lost(stages)):
-            raise e
-        self.rollout_rebuilds += 1
-        print(f"rlflow: a rollout worker {how_lost(e, self.cfg.trainer.step_timeout_s)} ({type(e).__name__}); "
-              f"new rollout pool {self.rollout_rebuilds}/{limit}, training goes on")
-        self.queued.clear()
-        rebuild_rollout(self.cfg, self.model_path, stages)
-        settle(lost)  # the old pool is gone: its calls have failed by now
+        if self.ahead:  # the rollout pool takes this step's weights beside the batches queued on it
+            self.ahead.push(stages, outputs)
 
     def metrics(self, outputs: list[Update], seconds: float) -> dict[str, float]:
         return merge(outputs, seconds, len(outputs))

@@ -36,6 +36,7 @@ import ray
 
 from rlflow.engine.batch import Batch, RolloutRequest
 from rlflow.engine.config import Config
+from rlflow.engine.data.prompts import Prompt
 from rlflow.engine.placement import Pool
 from rlflow.stages.advantage import Advantage
 from rlflow.stages.critic import Critic
@@ -274,6 +275,35 @@ def attach_rollout(cfg: Config, model_path: str, stages: Stages, sender: Group[P
                     timeout)
     connect(sender, rollout, timeout)
     stages.generator, stages.sync = rollout, Broadcast(sender, rollout, cfg.trainer.max_staleness > 0)
+
+
+def shards(prompts: list[Prompt], n: int) -> list[list[Prompt]]:
+    """Every prompt, in n contiguous shards whose sizes differ by at most one (equal when n divides
+    them, as a training step's do), so every prompt's group stays on one rank."""
+    return [prompts[i * len(prompts) // n:(i + 1) * len(prompts) // n] for i in range(n)]
+
+
+def rollout(generator: Group[Generator] | None, reward: Group[Reward] | None, prompts: list[Prompt], step: int,
+            greedy: bool = False, samples: int = 0) -> list[Batch]:
+    """Generate and score `prompts` over the ranks with plain calls, outside the step graph
+    (validation, dynamic sampling, `rlflow eval`).
+
+    Every rank generates (tensor-parallel ranks generate together), also one left without a
+    prompt when there are fewer prompts than ranks; its empty batch is not scored."""
+    assert generator is not None
+    return wait(submit_rollout(generator, reward, prompts, step, greedy, samples), SUBMIT, generator.timeout)
+
+
+def submit_rollout(generator: Group[Generator], reward: Group[Reward] | None, prompts: list[Prompt], step: int,
+                   greedy: bool = False, samples: int = 0) -> list[Any]:
+    """`rollout`'s calls, submitted and not waited for: each rank's scored batch, to come (without
+    `reward`, its generated batch)."""
+    gen, score = generator.bound(SUBMIT), reward.bound(SUBMIT) if reward else None
+    refs = []
+    for rank, part in enumerate(shards(prompts, gen.size)):
+        batch = gen.at(rank, Generator.generate, RolloutRequest(part, step, greedy, samples))
+        refs.append(score.at(rank, Reward.score, batch) if part and score else batch)
+    return refs
 
 
 def rebuild_rollout(cfg: Config, model_path: str, stages: Stages) -> None:

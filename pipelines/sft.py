@@ -49,7 +49,7 @@ from rlflow.engine.data.prompts import Example, Prompt, PromptLoader, examples_b
 from rlflow.engine.tracking import Tracker
 from rlflow.engine.train.losses import Supervised
 from rlflow.pipelines import driver, grpo
-from rlflow.pipelines.runtime import SUBMIT, Runner, Stages, launch, wait
+from rlflow.pipelines.runtime import SUBMIT, Runner, Stages, launch, rollout, wait
 from rlflow.stages.policy import Policy
 
 
@@ -229,6 +229,6 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
 
 def dev_accuracy(stages: Stages, prompts: list[Prompt], step: int) -> float:
     """The fraction of `prompts` whose greedy answer scores >= 1, as validation's `accuracy`."""
-    greedy = grpo.rollout(stages.generator, stages.reward, prompts, step, greedy=True)
+    greedy = rollout(stages.generator, stages.reward, prompts, step, greedy=True)
     return grpo.summarise("", [s for b in greedy for s in b.data_source], [float(x) for b in greedy for x in b.scores],
                           [])["accuracy"]

@@ -2,7 +2,8 @@ import torch
 
 from rlflow.engine.batch import Batch
 from rlflow.pipelines.driver import even_cut
-from rlflow.pipelines.grpo import balanced_shards, shards
+from rlflow.pipelines.grpo import balanced_shards
+from rlflow.pipelines.runtime import shards
 
 
 def test_balanced_shards_keep_groups_whole_and_even_out_each_mini_batch():

@@ -36,7 +36,8 @@ def one_step(model_dir: Path, data_files: dict[str, str]) -> None:
 
     cfg = cli.parse(["smoke", f"model.path={model_dir}", f"data.train_files=[{data_files['train']}]",
                      f"data.val_files=[{data_files['val']}]", "rollout.max_new_tokens=4"])
-    prompts, _ = load_prompts(cfg.data.train_files, AutoTokenizer.from_pretrained(model_dir), cfg.data.max_prompt_tokens)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts, _ = load_prompts(cfg.data.train_files, tokenizer, cfg.data.max_prompt_tokens)
     worker = StageWorker(0, 1, 1)
     worker.add(HybridPolicy, dict(cfg=cfg, model_path=str(model_dir), world=1, device="cpu", rank=0))
     worker.add(Reward, dict(cfg=cfg, device="cpu"))
