@@ -73,7 +73,7 @@ def one_train_step(engine: Any, vocab: int) -> None:
 
     ids = torch.randint(0, vocab, (4, 64))
     ones = torch.ones_like(ids)
-    engine.step(lambda: [lambda: -forward_logprobs(engine.root, ids, ones, ones.cumsum(1) - 1, ids[:, 32:], 1.0,
+    engine.step([lambda: -forward_logprobs(engine.root, ids, ones, ones.cumsum(1) - 1, ids[:, 32:], 1.0,
                                                    False, entropy=False)[0].mean()])
 
 

@@ -141,7 +141,7 @@ class Critic:
         stats: dict[str, list] = {}  # floats and 0-dim device tensors (see the actor's `_loss`)
         for _ in range(a.ppo_epochs):
             for lo in range(0, len(batch), rows):
-                out = self.engine.step(partial(self._micro_losses, batch.rows(slice(lo, lo + rows)), stats))
+                out = self.engine.step(self._micro_losses(batch.rows(slice(lo, lo + rows)), stats))
                 stats.setdefault("critic/grad_norm", []).append(out["grad_norm"])
                 stats.setdefault("critic/lr", []).append(out["lr"])
                 stats.setdefault("critic/vf_loss", []).append(all_reduce_sum(out["loss"]))

@@ -355,13 +355,13 @@ class TrainEngine:
         self._host: dict[torch.Tensor, torch.Tensor] = {}
         self._offloaded = False
 
-    def step(self, losses: Callable[[], list[Callable[[], torch.Tensor]]]) -> dict[str, float]:
-        """One optimizer step: backward every micro-batch loss (ranks with fewer micro-batches run
-        idle ones), clip, update. The host reads no device value before the clip, so it queues
-        micro-batches ahead of the device."""
+    def step(self, micro_losses: list[Callable[[], torch.Tensor]]) -> dict[str, float]:
+        """One optimizer step over a mini-batch: each micro-batch's loss computed and backwarded in
+        turn (ranks with fewer micro-batches run idle ones), then clip and update. The host reads no
+        device value before the clip, so it queues micro-batches ahead of the device."""
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        micro = losses()
+        micro = list(micro_losses)
         micro += [self.root.idle] * (in_step(self.root, len(micro)) - len(micro))
         total = torch.zeros((), device=self.device)
         try:

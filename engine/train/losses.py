@@ -106,7 +106,7 @@ class PolicyGradient:
                 # an SP group's mini-batch: each member's rows of it (members hold equally many)
                 mini = batch.rows(slice(lo, lo + rows)) if len(members) == 1 else \
                     Batch.cat([m.rows(slice(lo, lo + rows)) for m in members])
-                out = trainer.step(partial(self._micro_losses, trainer.root, mini, stats))
+                out = trainer.step(self._micro_losses(trainer.root, mini, stats))
                 for k in ("grad_norm", "lr"):
                     stats.setdefault(f"actor/{k}", []).append(out[k])
                 stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(out["loss"]))
@@ -198,7 +198,7 @@ class Supervised:
         self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, cfg.actor.pack_sequences
 
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
-        out = trainer.step(partial(self._micro_losses, trainer.root, batch))
+        out = trainer.step(self._micro_losses(trainer.root, batch))
         return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"]}
 
     def evaluate(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
@@ -236,7 +236,7 @@ class Preference:
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         rows = 2 * (self.pairs_per_step // self.workers)
         sums: dict[str, float] = {}
-        outs = [trainer.step(partial(self._micro_losses, trainer.root, batch.rows(slice(lo, lo + rows)), sums))
+        outs = [trainer.step(self._micro_losses(trainer.root, batch.rows(slice(lo, lo + rows)), sums))
                 for lo in range(0, len(batch), rows)]
         return {**self._means(sums, len(batch) // 2), "dpo/grad_norm": float(np.mean([o["grad_norm"] for o in outs])),
                 "dpo/lr": outs[-1]["lr"]}

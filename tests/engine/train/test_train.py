@@ -205,7 +205,7 @@ def test_compiled_layers_train_like_eager_ones(model_dir):
         def loss(root=engine.root):
             logp, ent = forward_logprobs(root, ids, mask, pos, responses, 0.7, True)
             return -(logp.sum() + 0.1 * ent.sum()) / mask.sum()
-        result = engine.step(lambda loss=loss: [loss])
+        result = engine.step([loss])
         with torch.no_grad():
             after, _ = forward_logprobs(engine.root, ids, mask, pos, responses, 0.7, False)
         runs.append((result["loss"], result["grad_norm"], after))
@@ -249,7 +249,7 @@ def sft_losses(engine, ids, per_micro, denom=None):
         logp, _ = forward_logprobs(engine.root, x, ones, ones.cumsum(1) - 1, x[:, 1:], 1.0, False, entropy=False)
         return -logp.sum() / denom
 
-    return lambda: [lambda r=slice(i, i + per_micro): loss(r) for i in range(0, len(ids), per_micro)]
+    return [lambda r=slice(i, i + per_micro): loss(r) for i in range(0, len(ids), per_micro)]
 
 
 def test_one_micro_batch_of_8_equals_8_of_1_and_checkpointing_changes_nothing(model_dir):
@@ -270,7 +270,7 @@ def test_one_micro_batch_of_8_equals_8_of_1_and_checkpointing_changes_nothing(mo
     # after a no-grad forward (generation reads the shards; the optimizer stepped them)
     assert all(isinstance(p, DTensor) for p in b.model.parameters())
     with torch.no_grad():
-        sft_losses(b, ids, 8)()[0]()
+        sft_losses(b, ids, 8)[0]()
     assert all(isinstance(p, DTensor) for p in b.model.parameters())
 
 
@@ -279,8 +279,8 @@ def test_non_finite_loss_skips_the_step(model_dir):
     before = [p.detach().clone() for p in engine.model.parameters()]
     ids = torch.randint(3, 90, (2, 6))
     ones = torch.ones_like(ids)
-    nan = lambda: [lambda: forward_logprobs(engine.root, ids, ones, ones.cumsum(1) - 1, ids[:, 1:], 1.0,  # noqa: E731
-                                            False)[0].sum() * float("nan")]
+    nan = [lambda: forward_logprobs(engine.root, ids, ones, ones.cumsum(1) - 1, ids[:, 1:], 1.0,
+                                    False)[0].sum() * float("nan")]
     out = engine.step(nan)
     assert out["skipped_steps"] == 1 and out["consecutive_skips"] == 1
     assert all(torch.equal(p, q) for p, q in zip(before, engine.model.parameters()))
@@ -396,7 +396,7 @@ def _sp_worker(rank: int, world: int, sp: int, port: int, model_dir: str, device
     mine = plans[world // sp][rank // sp]
     losses, norms, grads = [], [], []
     for step in range(3):
-        result = engine.step(lambda: [lambda r=r: loss(r) for r in mine])
+        result = engine.step([lambda r=r: loss(r) for r in mine])
         losses.append(all_reduce_sum(result["loss"]))
         norms.append(result["grad_norm"])
         if step == 0:
