@@ -98,16 +98,15 @@ def import_edges(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
     return out & set(mods)
 
 
-def test_no_import_circle():
-    mods = project_modules()
-    graph = {name: import_edges(name, path, mods) - {name} for name, path in mods.items()}
-    cycles, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the current path, 2 done
+def circles(graph: dict[str, set[str]]) -> list[str]:
+    """Each circle a depth-first walk of `graph` meets, as "a -> b -> a"."""
+    found, state = [], dict.fromkeys(graph, 0)  # 0 unseen, 1 on the current path, 2 done
 
     def visit(node: str, path: list[str]) -> None:
         state[node] = 1
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph[node] - {node}):
             if state[nxt] == 1:
-                cycles.append(" -> ".join(path[path.index(nxt):] + [node, nxt]))
+                found.append(" -> ".join(path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]))
             elif state[nxt] == 0:
                 visit(nxt, path + [node])
         state[node] = 2
@@ -115,7 +114,13 @@ def test_no_import_circle():
     for node in sorted(graph):
         if state[node] == 0:
             visit(node, [])
-    assert not cycles, "import circles:\n" + "\n".join(cycles)
+    return found
+
+
+def test_no_import_circle():
+    mods = project_modules()
+    found = circles({name: import_edges(name, path, mods) for name, path in mods.items()})
+    assert not found, "import circles:\n" + "\n".join(found)
 
 
 def part(module: str) -> str:
@@ -135,21 +140,8 @@ def test_no_circle_between_engines_folders_and_shared_modules():
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         graph.setdefault(part(name), set()).update(part(t) for t in import_edges(name, path, mods))
-    cycles, state = [], dict.fromkeys(graph, 0)
-
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node] - {node}):
-            if state[nxt] == 1:
-                cycles.append(" -> ".join(path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]))
-            elif state[nxt] == 0:
-                visit(nxt, path + [node])
-        state[node] = 2
-
-    for node in sorted(graph):
-        if state[node] == 0:
-            visit(node, [])
-    assert not cycles, "circles between the project's parts:\n" + "\n".join(cycles)
+    found = circles(graph)
+    assert not found, "circles between the project's parts:\n" + "\n".join(found)
 
 
 def test_no_stage_defines_more_than_six_verbs_of_its_own():
