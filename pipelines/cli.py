@@ -114,6 +114,16 @@ def parse(args: list[str], job: str | None = None, config: str | None = None, gp
     return load_config(config, args, job, gpus)
 
 
+def configure(args: list[str], job: str | None = None, config: str | None = None) -> Config:
+    """`parse` for a run: its `auto` settings for the GPUs it can use (the Ray cluster's, under
+    RAY_ADDRESS), and a warning for each setting that looks like a mistake."""
+    gpus = cluster_gpus()
+    cfg = parse(args, job, config, gpus)
+    for line in doubts(cfg, visible_gpus() if gpus is None else gpus):
+        print(f"rlflow: warning: {line}", file=sys.stderr, flush=True)
+    return cfg
+
+
 def cluster_gpus() -> int | None:
     """GPUs of the Ray cluster RAY_ADDRESS names, which `auto` settings serve (joined here, as the
     run joins it next); None without one: the run starts its own, on this machine."""
@@ -214,10 +224,10 @@ def train(cfg: Config) -> dict[str, str]:
     previous = resumed_run_id(cfg)
     if previous and "MLFLOW_RUN_ID" not in os.environ:
         os.environ["MLFLOW_RUN_ID"] = previous
-    tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or None,
-                      tags={"algorithm": cfg.algorithm.name, "model": cfg.model.path, "git_commit": git_commit(),
-                            "dataset_hash": dataset_hash(files["train"]),
-                            **({"model_commit": hub.commit(model_path)} if hub.commit(model_path) else {})})
+    pinned = hub.commit(model_path)  # a Hub model: the commit every worker loads
+    tags = {"algorithm": cfg.algorithm.name, "model": cfg.model.path, "git_commit": git_commit(),
+            "dataset_hash": dataset_hash(files["train"]), **({"model_commit": pinned} if pinned else {})}
+    tracker = Tracker(cfg.trainer.experiment, cfg.trainer.run_name or None, tags=tags)
     status = "FAILED"
     try:
         tracker.log_params(settings)
@@ -452,10 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        gpus = cluster_gpus()
-        cfg = parse(ns.args, ns.command if ns.command in ("dpo", "sft") else None, ns.config, gpus)
-        for line in doubts(cfg, visible_gpus() if gpus is None else gpus):
-            print(f"rlflow: warning: {line}", file=sys.stderr, flush=True)
+        cfg = configure(ns.args, ns.command if ns.command in ("dpo", "sft") else None, ns.config)
         if ns.command != "config":
             check_inputs(cfg, model=ns.command != "eval")
     except (ConfigError, FileNotFoundError) as e:

@@ -53,7 +53,7 @@ def train(config: str | Path | Config | None = None, overrides: dict[str, Any] |
     embedded demo unless `overrides` name a model. `overrides`: {"dotted.key": value} or
     ["key=value", ...]. `job`: "rl", "sft" or "dpo"; None: the recipe's (else rl). Raises
     ConfigError for a setting or input that cannot work, before anything starts."""
-    from rlflow.engine.config import Config, ConfigError, doubts, visible_gpus
+    from rlflow.engine.config import Config, ConfigError
     from rlflow.pipelines import cli
 
     cli.prepare_environment()
@@ -64,10 +64,7 @@ def train(config: str | Path | Config | None = None, overrides: dict[str, Any] |
     else:
         items = [f"{k}={json.dumps(v)}" for k, v in overrides.items()] if isinstance(overrides, dict) else \
             list(overrides or [])
-        gpus = cli.cluster_gpus()
-        cfg = cli.parse(items, job, None if config is None else str(config), gpus)
-        for line in doubts(cfg, visible_gpus() if gpus is None else gpus):
-            print(f"rlflow: warning: {line}", flush=True)
+        cfg = cli.configure(items, job, None if config is None else str(config))
     cli.check_inputs(cfg)
     return cli.train(cfg)["run_id"]
 
