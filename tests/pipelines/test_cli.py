@@ -87,9 +87,10 @@ def bad_inputs(tmp: Path) -> list[tuple[list[str], str]]:
     (tmp / "mystery.jsonl").write_text(mystery * 3)
     data = ["data.train_files=[embedded]", "data.val_files=[embedded]"]
     (tmp / "mine.yaml").write_text("actor:\n  lr: 1.0e-6\n")
+    (tmp / "no_data.yaml").write_text("model:\n  path: embedded\n")  # a recipe of the user's: no demo under it
     return [
         ([str(tmp / "mine.yaml")], "model.path is not set: name a HF model directory or a Hub id"),
-        (["model.path=/m"], "data.train_files is empty"),
+        ([str(tmp / "no_data.yaml")], "data.train_files is empty"),
         ([f"model.path={tmp}", *data], "no config.json"),
         ([f"model.path={tmp / 'no_tokenizer'}", *data], "no tokenizer"),
         ([f"data.val_files=[{tmp / 'mystery.jsonl'}]"], f"data.val_files: {tmp / 'mystery.jsonl'}: 3 rows of "

@@ -390,30 +390,20 @@ def test_an_estimator_of_the_users_own_runs_end_to_end(tmp_path):
     whole numbers)."""
     page = (ROOT / "docs" / "howto" / "custom-algorithm.md").read_text()
     (tmp_path / "my_estimator.py").write_text(re.search(r"```python\n# my_estimator.py\n(.*?)```", page, re.S)[1])
-    rlflow(tmp_path, "out", "algorithm.advantage=my_estimator.py:SIGN", "trainer.total_steps=2", "trainer.val_every=0")
+    rlflow(tmp_path, "out", "algorithm.advantage=my_estimator.py:SIGN", "trainer.total_steps=1", "trainer.val_every=0")
     client, run = only_run(tmp_path)
     assert run.data.tags["algorithm"] == "sign" and run.info.status == "FINISHED"
     metrics = history(client, run.info.run_id)
     extremes = [v for k in ("critic/advantages/max", "critic/advantages/min") for _, v in metrics[k]]
-    assert len(extremes) == 4 and set(extremes) <= {-1.0, 0.0, 1.0} and 1.0 in extremes, extremes
+    assert len(extremes) == 2 and set(extremes) <= {-1.0, 0.0, 1.0} and 1.0 in extremes, extremes
 
 
-def test_a_notebook_trains_through_the_python_api(tmp_path):
-    """`rlflow.train(recipe, overrides)` runs the job the CLI runs and returns its MLflow run id; a
-    setting that cannot work is a ConfigError before anything starts."""
+def test_the_python_api_refuses_a_setting_that_cannot_work_before_anything_starts():
+    """`rlflow.train` checks as `rlflow train` does; its run is in the loopback test below."""
     import rlflow
 
     with pytest.raises(rlflow.ConfigError, match="verl's rollout.n is rollout.samples_per_prompt"):
         rlflow.train("smoke", {"rollout.n": 4})
-    settings = {"trainer.output_dir": str(tmp_path / "out"), "trainer.total_steps": 1, "warmstart.steps": 1,
-                "data.val_max_prompts": 8}
-    code = f"import rlflow\nprint('run', rlflow.train('smoke', {settings!r}))"
-    proc = subprocess.run([sys.executable, "-c", code], env=env(tmp_path), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    client, run = only_run(tmp_path)
-    assert proc.stdout.splitlines()[-1] == f"run {run.info.run_id}" and run.info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")] == [1]
 
 
 def test_mlflow_run_makes_exactly_one_run(tmp_path):
@@ -567,15 +557,17 @@ def is_loopback(address: str) -> bool:
 
 
 def test_the_self_started_cluster_listens_on_loopback_only(tmp_path):
-    """Every process of a run on the cluster `rlflow train` starts itself (Ray's servers and agents,
-    the stage workers, the compiled graph's proxy, the driver) and every group the stages open (two
-    data-parallel groups and the weight broadcast of a split placement) listens on loopback only."""
+    """Every process of a run on the cluster a job starts itself (Ray's servers and agents, the
+    stage workers, the compiled graph's proxy, the driver) and every group the stages open (two
+    data-parallel groups and the weight broadcast of a split placement) listens on loopback only.
+    The job is a notebook's: `rlflow.train(recipe, overrides)`, which returns the MLflow run's id."""
     import psutil
 
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
-    args = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
-            f"reward.function={tmp_path / 'length_reward.py'}:compute_score", "trainer.total_steps=2",
-            "trainer.val_every=0", "placement.workers=2", "placement.own_pool=[rollout]"]
+    settings = {"trainer.output_dir": f"{tmp_path}/out",
+                "reward.function": f"{tmp_path}/length_reward.py:compute_score", "trainer.total_steps": 2,
+                "trainer.val_every": 0, "placement.workers": 2, "placement.own_pool": ["rollout"]}
+    args = [sys.executable, "-c", f"import rlflow\nprint('run', rlflow.train('smoke', {settings!r}))"]
     run_env = {k: v for k, v in env(tmp_path).items() if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME")}
     proc = subprocess.Popen(args, env=run_env, cwd=tmp_path, start_new_session=True, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -593,6 +585,8 @@ def test_the_self_started_cluster_listens_on_loopback_only(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, output[-3000:]
+    client, run = only_run(tmp_path)
+    assert output.splitlines()[-1] == f"run {run.info.run_id}" and run.info.status == "FINISHED"
     names = {name for name, _, _ in seen}
     assert {"gcs_server", "raylet"} <= names and any("StageWorker" in n for n in names), names  # it looked
     assert [s for s in seen if not is_loopback(s[1])] == []

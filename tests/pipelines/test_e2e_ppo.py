@@ -1,4 +1,4 @@
-"""End-to-end PPO: conf/demo-ppo.yaml through the real CLI on a real local Ray cluster, tracked in sqlite MLflow.
+"""End-to-end PPO: the demo-ppo recipe through the real CLI on a real local Ray cluster, tracked in sqlite MLflow.
 
 One compiled-graph run of 2 steps (the first trains only the critic), then the same run resumed
 from its step-1 checkpoint in plain mode: its step 2 must repeat the first run's exactly, which
@@ -32,7 +32,7 @@ def backbone_changed(start: dict[str, torch.Tensor], critic: dict[str, torch.Ten
 
 
 def test_ppo_trains_critic_then_actor_and_resumes_in_plain_mode(tmp_path: Path):
-    rlflow(tmp_path, "out", *TINY, conf="demo-ppo.yaml")
+    rlflow(tmp_path, "out", *TINY, conf="demo-ppo")
     client, run = only_run(tmp_path)
     assert run.info.status == "FINISHED" and run.data.params["algorithm.advantage"] == "gae"
     metrics = {k: dict(v) for k, v in history(client, run.info.run_id).items()}
@@ -52,7 +52,7 @@ def test_ppo_trains_critic_then_actor_and_resumes_in_plain_mode(tmp_path: Path):
     assert any(not torch.equal(critic_1[k], critic_2[k]) for k in critic_1)
 
     resumed = rlflow(tmp_path, "out", *TINY, f"trainer.resume={ckpt / 'step_000001'}", "trainer.dag=plain",
-                     conf="demo-ppo.yaml")
+                     conf="demo-ppo")
     assert "at step 1" in resumed.stdout
     replayed = load_file(out / "hf_model" / "model.safetensors")
     assert all(torch.equal(final[k], replayed[k]) for k in final), "step 2 replayed exactly, in plain mode"
@@ -67,7 +67,7 @@ def test_ppo_trains_critic_then_actor_and_resumes_in_plain_mode(tmp_path: Path):
 def test_critic_in_its_own_pool_over_two_ranks(tmp_path: Path):
     # two data-parallel ranks (gloo) in each pool; the critic's gradients all-reduce in its own group
     rlflow(tmp_path, "out", *TINY, "trainer.total_steps=1", "critic.warmup_steps=0", "placement.workers=2",
-           "placement.own_pool=[critic]", conf="demo-ppo.yaml")
+           "placement.own_pool=[critic]", conf="demo-ppo")
     client, run = only_run(tmp_path)
     metrics = {k: dict(v) for k, v in history(client, run.info.run_id).items()}
     for key in (*CRITIC, "actor/pg_loss"):
