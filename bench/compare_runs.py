@@ -15,7 +15,8 @@ import sys
 
 from mlflow.tracking import MlflowClient
 
-CLOCKS = ("timing_s/", "perf/", "system/")  # wall-clock and machine readings: never equal across runs
+CLOCKS = ("timing_s/", "perf/", "system/")  # wall-clock and machine readings: never equal across runs ...
+SECONDS = "time_s"  # ... and a series in seconds (an episode's `episode/env_time_s`)
 
 
 def series(uri: str, run_id: str | None) -> tuple[str, dict[str, list[tuple[int, float]]]]:
@@ -27,7 +28,7 @@ def series(uri: str, run_id: str | None) -> tuple[str, dict[str, list[tuple[int,
     keys = client.get_run(run_id).data.metrics
     return run_id, {k: [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, k),
                                                           key=lambda m: (m.step, m.timestamp))]
-                    for k in keys if not k.startswith(CLOCKS)}
+                    for k in keys if not (k.startswith(CLOCKS) or k.endswith(SECONDS))}
 
 
 def main() -> None:
