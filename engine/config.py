@@ -376,11 +376,17 @@ def resolve(cfg: Config, job: str, gpus: int) -> None:
 
 
 def doubts(cfg: Config, gpus: int) -> list[str]:
-    """Settings that run but look like a mistake, one line each naming the key: a real model on the
-    CPU while GPUs are visible, or with answers cut at a toy length."""
-    if cfg.model.path == EMBEDDED:
-        return []
+    """Settings that run but look like a mistake, one line each naming the key: more GPUs asked for
+    than are visible, a real model on the CPU while GPUs are visible, answers cut at a toy length."""
+    p = cfg.placement
+    needed = p.workers * (1 + ("rollout" in p.own_pool)) * p.gpus_per_worker
     out = []
+    if needed > gpus:
+        pools = " x 2 pools" if "rollout" in p.own_pool else ""
+        out.append(f"placement.workers={p.workers} x placement.gpus_per_worker={p.gpus_per_worker:g}{pools}"
+                   f" asks for {needed:g} GPUs, and {gpus} are visible: the workers wait for GPUs that may never come")
+    if cfg.model.path == EMBEDDED:
+        return out
     if not cfg.placement.gpus_per_worker and gpus:
         out.append(f"model.path={cfg.model.path} trains on the CPU (placement.gpus_per_worker=0) while {gpus} "
                    "GPU(s) are visible; placement.gpus_per_worker=auto uses them")

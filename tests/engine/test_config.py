@@ -210,6 +210,8 @@ def test_settings_that_look_like_a_mistake_are_named():
                   gpus=1)
     assert len(said) == 2 and "placement.gpus_per_worker" in said[0] and "rollout.max_new_tokens=8" in said[1]
     assert doubts(load_config(gpus=1), gpus=1) == []  # the demo is meant to be small and on the CPU
+    [more] = doubts(load_config(None, [*USER, "placement.workers=4"], gpus=2), gpus=2)
+    assert more.startswith("placement.workers=4 x placement.gpus_per_worker=1 asks for 4 GPUs, and 2 are visible")
 
 
 def test_auto_is_accepted_and_never_left_in_a_loaded_config():
