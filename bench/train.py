@@ -96,7 +96,7 @@ def rlflow_losses(root, b: dict, budget: int, pack: bool, group: int = 0) -> lis
 
 
 def rlflow_step(engine: TrainEngine, b: dict, budget: int, pack: bool, group: int = 0) -> dict[str, float]:
-    return engine.step(partial(rlflow_losses, engine.root, b, budget, pack, group))
+    return engine.step(rlflow_losses(engine.root, b, budget, pack, group))
 
 
 def hf_losses(model, b: dict, budget: int) -> list[Callable[[], torch.Tensor]]:
@@ -214,7 +214,7 @@ def longest(rank: int, world: int, args, path: str, device: torch.device) -> Non
         while True:
             prompt = args.prompt[0]  # one sequence per SP group, the same on its ranks
             b = make_batch(1, (prompt, prompt), (length - prompt, length - prompt), cfg.vocab_size, rank // sp)
-            seconds = timed(partial(engine.step, partial(rlflow_losses, engine.root, b, length, False)), device)
+            seconds = timed(lambda: engine.step(rlflow_losses(engine.root, b, length, False)), device)
             peak = peak_gib(device)
             if rank == 0:
                 print(f"  sp={sp}: {length:7d} tokens  {seconds:7.2f} s/step  "
