@@ -42,7 +42,6 @@ from rlflow.engine.reshard import WeightBroadcast
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.engine.rollout.build import build_rollout, weights_dtype
 from rlflow.engine.rollout.model import TP
-from rlflow.engine.rollout.native import NativeRollout
 from rlflow.engine.specs import load_function
 from rlflow.engine.tensors import left_pad, peak_memory, right_pad
 from rlflow.engine.train import lora
@@ -66,7 +65,7 @@ class Rollout:
         self.ahead = cfg.trainer.max_staleness > 0  # pushes arrive while generating: staged, taken at a generate
         self.staged: tuple[int, list[tuple[str, torch.Tensor]]] | None = None  # (version, tensors) received
         self.lock = threading.Lock()
-        if cfg.trainer.max_staleness >= 2 and isinstance(self.engine, NativeRollout) and self.tp.size == 1:
+        if cfg.trainer.max_staleness >= 2 and self.engine.swaps:
             self.engine.swap = self._swap  # partial rollouts: pushes land between engine steps
 
     def generate(self, request: RolloutRequest) -> Batch:

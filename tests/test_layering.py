@@ -162,3 +162,13 @@ def test_no_stage_defines_more_than_six_verbs_of_its_own():
                         and not any(hasattr(base, n) for base in c.__mro__[1:])] for c in stages}
     assert {name: verbs for name, verbs in own.items() if len(verbs) > 6} == {}
     assert own["HybridPolicy"] == ["generate"]
+
+
+def test_no_stage_or_pipeline_names_a_rollout_backend():
+    """Stages and pipelines ask an engine what it can do (`streams`, `swaps`), never its class:
+    a backend that declares a capability gets used for it with no edit above the engine."""
+    backends = {"NativeRollout", "HFRollout", "VLLMRollout"}
+    found = [f"{p.relative_to(ROOT)}:{n.lineno}" for top in ("stages", "pipelines")
+             for p in sorted((ROOT / top).rglob("*.py")) for n in ast.walk(ast.parse(p.read_text()))
+             if (isinstance(n, ast.Name) and n.id in backends) or (isinstance(n, ast.alias) and n.name in backends)]
+    assert not found, found

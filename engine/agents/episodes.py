@@ -149,7 +149,7 @@ def run_episodes(engine: RolloutEngine, tokenizer: Any, prompts: list, params: S
     env_s = time.perf_counter() - start
     if overlap is None:
         overlap = bool(getattr(env_class, "overlap", False))
-    if overlap and getattr(engine, "streams", False):
+    if overlap and engine.streams:
         env_s += _overlapped(engine, prompts, episodes, turns)
     else:
         env_s += _turn_by_turn(engine, prompts, episodes, turns)

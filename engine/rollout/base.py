@@ -67,6 +67,23 @@ Feed = Callable[[list[tuple[Any, Completion]], bool], "list[Request] | None"]
 
 
 class RolloutEngine(Protocol):
+    """What every backend does, and the optional capabilities it declares: a caller asks the
+    engine (`streams`, `swaps`), never its class, and `build_rollout` checks each declared one once.
+
+    - `streams`: `serve(params, feed)` runs, taking requests as they come (an episode's next turn
+      is admitted while the others decode);
+    - `swaps`: the caller may set `swap`, a callable run between two engine steps that may load
+      new weights mid-generation and names the version now held (partial rollouts); each
+      completion's `versions` then says which version sampled each token."""
+
+    @property
+    def streams(self) -> bool: ...
+
+    @property
+    def swaps(self) -> bool: ...
+
+    swap: Callable[[], int] | None  # set by the caller where `swaps`; None: weights land between calls
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]: ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
@@ -95,6 +112,9 @@ def limits_of(prompts: list[list[int]], params: SamplingParams) -> list[int]:
 
 class HFRollout:
     """transformers `generate` on a causal LM module, shared with the trainer when hybrid."""
+
+    streams = swaps = False  # one generate call at a time; weights land between calls
+    swap = None
 
     def __init__(self, model: Any, tokenizer: Any, cache_implementation: str = "dynamic") -> None:
         self.model = model

@@ -35,16 +35,24 @@ def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, devi
         from transformers import AutoModelForCausalLM
 
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
-        return HFRollout(model.to(device), tokenizer)
+        return checked(HFRollout(model.to(device), tokenizer))
     if backend == "native":
         from rlflow.engine.rollout.model import NativeCausalLM
         from rlflow.engine.rollout.native import NativeRollout
 
         model = NativeCausalLM.from_pretrained(model_dir, torch_dtype, device, **({"tp": tp} if tp else {}))
-        return NativeRollout(model, tokenizer,
-                             max_slots=max_slots, max_len=max_len, memory_fraction=kv_cache_memory)
+        return checked(NativeRollout(model, tokenizer,
+                                     max_slots=max_slots, max_len=max_len, memory_fraction=kv_cache_memory))
     if backend == "vllm":
         from rlflow.engine.rollout.vllm import VLLMRollout
 
-        return VLLMRollout(model_dir, tokenizer, max_len, torch_dtype)
+        return checked(VLLMRollout(model_dir, tokenizer, max_len, torch_dtype))
     raise ValueError(f"unknown rollout.backend '{backend}'")
+
+
+def checked(engine: Any) -> RolloutEngine:
+    """`engine`, once it has what it declares (engine/rollout/base.py): a `serve` where it streams;
+    so a caller asks the engine, not its class."""
+    if engine.streams and not callable(getattr(engine, "serve", None)):
+        raise TypeError(f"{type(engine).__name__} declares `streams` but has no `serve`")
+    return engine

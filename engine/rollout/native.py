@@ -183,6 +183,12 @@ class NativeRollout:
         """Whether `serve` can run: one rank alone (TP ranks must see the same requests at the same steps)."""
         return self.model.tp.size == 1
 
+    @property
+    def swaps(self) -> bool:
+        """Whether a `swap` may load weights mid-generation: one rank alone (TP ranks would each
+        take a push at a step of their own)."""
+        return self.model.tp.size == 1
+
     def serve(self, params: SamplingParams, feed: Feed) -> None:
         """Generate for requests as they come: `feed(finished, wait)` gets the completions finished
         since its last call, with their keys, and gives new requests, or None once no more will

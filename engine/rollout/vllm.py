@@ -49,6 +49,9 @@ MAX_SEQS = 256  # sequences decoded at once; the CPU KV cache is sized for this 
 class VLLMRollout:
     """vLLM generation over a copy of the trainer's weights; implements `RolloutEngine`."""
 
+    streams = swaps = False  # one generate call at a time; weights land between calls
+    swap = None
+
     def __init__(self, model_dir: str | Path, tokenizer: Any, max_len: int, dtype: torch.dtype) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in this process: weights by reference
         # CPU: vLLM would pin its OpenMP threads from the thread that builds it; leave threads to the process

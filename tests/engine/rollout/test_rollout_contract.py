@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlflow.engine.data import task
 from rlflow.engine.rollout.base import Completion, HFRollout, RolloutEngine, SamplingParams
+from rlflow.engine.rollout.build import checked
 from rlflow.engine.rollout.native import NativeRollout
 
 NO_VLLM = importlib.util.find_spec("vllm") is None
@@ -170,6 +171,17 @@ def test_release_and_resume_keep_the_output(engine, tok):
         pass
     engine.resume_memory()
     assert engine.generate([prompt], params)[0][0].token_ids == before
+
+
+def test_an_engine_declares_what_it_can_do_and_a_false_claim_is_refused(engine, backend):
+    assert checked(engine) is engine
+    assert (engine.streams, engine.swaps) == ((True, True) if backend == "native" else (False, False))
+
+    class Claims(HFRollout):
+        streams = True  # with no `serve`
+
+    with pytest.raises(TypeError, match="declares `streams` but has no `serve`"):
+        checked(Claims(None, None))
 
 
 # -- sampling follows the target distribution ------------------------------------------------
