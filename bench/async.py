@@ -62,7 +62,7 @@ def rlflow(work: Path, name: str, *overrides: str, conf: list[str] = (), tool_s:
     """One `rlflow train [conf]` into the store under `work`; returns its run id."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{work}/mlflow.db", "TOOL_S": str(tool_s)}
     cmd = [sys.executable, "-m", "rlflow.pipelines.cli", "train", *conf, f"trainer.output_dir={work / name}",
-           f"trainer.run_name={name}", "trainer.progress=false", "trainer.log_checkpoint=false", *overrides]
+           f"trainer.run_name={name}", "trainer.log_checkpoint=false", *overrides]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
@@ -119,7 +119,7 @@ def main() -> None:
     data = warm / "embedded" / ("calc" if agent else "data")
     common = [f"model.path={warm / 'warmstart'}", f"data.train_files=[{data / 'train.parquet'}]",
               f"data.val_files=[{data / 'val.parquet'}]", "warmstart.steps=0", "warmstart.stop_accuracy=0",
-              "trainer.val_samples=0", "trainer.samples_every=0"]
+              "trainer.val_samples=0"]
     if agent:  # the native engine: generation is long through the tool's calls
         common += ["rollout.env=bench/slow_calc.py:SlowCalculator"]
     else:  # the default's phase split (native engine, hybrid): what overlap could give there

@@ -252,8 +252,8 @@ def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, 
                       micro_batch_tokens_per_gpu=micro_tokens(args)),
         "reward": dict(function=f"{BENCH / 'e2e_reward.py'}:rlflow_score"),
         # validation only at the end (it always runs there), greedy, on one prompt
-        "trainer": dict(total_steps=args.steps, val_every=0, val_samples=0, samples_every=0, output_dir=str(out),
-                        experiment=experiment, resume="never", max_restarts=0, progress=False, seed=args.seed,
+        "trainer": dict(total_steps=args.steps, val_every=0, val_samples=0, output_dir=str(out),
+                        experiment=experiment, resume="never", max_restarts=0, seed=args.seed,
                         log_checkpoint=False),  # the final checkpoint is saved, not copied into the run
     }
     for section, values in (gpu if cuda else {}).items():

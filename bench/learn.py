@@ -54,7 +54,7 @@ def main() -> None:
            f"placement.gpus_per_worker={1 if cuda else 0}", f"rollout.tp={args.tp}",
            f"warmstart.steps={args.warmstart}", f"warmstart.lr={args.warmstart_lr}", f"actor.lr={args.lr}",
            f"trainer.total_steps={args.steps}",
-           f"trainer.val_every={args.val_every}", f"trainer.output_dir={work / 'out'}", "trainer.progress=false",
+           f"trainer.val_every={args.val_every}", f"trainer.output_dir={work / 'out'}",
            *args.overrides]
     uri = tracking_uri(work)
     print(f"hidden {args.hidden} x {args.layers} layers, {args.gpus} GPU(s), TP {args.tp}: {' '.join(cmd[3:])}",

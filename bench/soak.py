@@ -95,7 +95,7 @@ def main() -> None:
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = [sys.executable, "-m", "rlflow.pipelines.cli", "train", f"trainer.total_steps={args.steps}",
            f"trainer.save_every={args.save_every}", f"trainer.val_every={args.val_every}",
-           f"trainer.output_dir={(args.work / 'out').resolve()}", "trainer.progress=false", *args.overrides]
+           f"trainer.output_dir={(args.work / 'out').resolve()}", *args.overrides]
     print("$", " ".join(cmd), flush=True)
     samples: list[tuple[int, float, dict[str, float], float, float]] = []  # step, wall s, USS, db, artifacts
     start = time.time()

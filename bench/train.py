@@ -214,7 +214,7 @@ def longest(rank: int, world: int, args, path: str, device: torch.device) -> Non
         while True:
             prompt = args.prompt[0]  # one sequence per SP group, the same on its ranks
             b = make_batch(1, (prompt, prompt), (length - prompt, length - prompt), cfg.vocab_size, rank // sp)
-            seconds = timed(lambda: engine.step(rlflow_losses(engine.root, b, length, False)), device)
+            seconds = timed(partial(rlflow_step, engine, b, length, False), device)
             peak = peak_gib(device)
             if rank == 0:
                 print(f"  sp={sp}: {length:7d} tokens  {seconds:7.2f} s/step  "

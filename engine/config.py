@@ -174,18 +174,15 @@ class TrainerConfig:
     resume: str = "auto"  # auto | never | <checkpoint dir>
     output_dir: str = "outputs/rlflow"  # checkpoints, the exported hf_model, the embedded task's files
     seed: int = 0  # seeds data order, sampling, the embedded task and model, and the critic's head
-    val_every: int = 10  # validate every k steps; 0 = only at the end, where a run always validates
+    val_every: int = 10  # validate, and log a table of sample generations, every k steps; 0 = only at the end
     val_samples: int = 4  # k sampled answers per validation prompt for mean@k / pass@k; 0 = greedy only
-    samples_every: int = 10  # log a table of sample generations every k steps; 0 = never
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
     max_staleness: int = 0  # 0 = synchronous; k: the rollout pool runs up to k steps ahead, samples <= k versions old
     max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
     step_timeout_s: float = 3600.0  # a step or validation running longer counts as a stuck worker (rebuilt too)
-    max_consecutive_skips: int = 5  # stop after this many non-finite optimizer steps in a row; 0 never
     experiment: str = "rlflow"  # MLflow experiment of the run
     run_name: str = ""  # MLflow run name; "" lets MLflow pick one
     register_model: str = ""  # Model Registry name for the exported policy; "" = don't register
-    progress: bool = True  # a progress bar while training (step, the algorithm's headline numbers, ETA)
 
 
 @dataclass
@@ -567,9 +564,7 @@ def _validate_ranges(cfg: Config) -> None:
                     "actor.warmup_steps": a.warmup_steps, "actor.clip_low": a.clip_low, "actor.clip_high": a.clip_high,
                     "actor.kl_loss_coef": a.kl_loss_coef, "algorithm.kl_coef": cfg.algorithm.kl_coef,
                     "algorithm.kl_target": cfg.algorithm.kl_target, "trainer.save_every": cfg.trainer.save_every,
-                    "trainer.val_every": cfg.trainer.val_every, "trainer.samples_every": cfg.trainer.samples_every,
-                    "trainer.max_restarts": cfg.trainer.max_restarts,
-                    "trainer.max_consecutive_skips": cfg.trainer.max_consecutive_skips}
+                    "trainer.val_every": cfg.trainer.val_every, "trainer.max_restarts": cfg.trainer.max_restarts}
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")

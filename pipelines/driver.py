@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -145,7 +146,7 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
     last_ckpt = checkpoint.find_resume(root, t.resume)
     live = Workers(cfg, algo, last_ckpt, loader)
     step, restarts = live.start, 0
-    bar = Progress(t.progress, step, t.total_steps)
+    bar = Progress(sys.stderr.isatty(), step, t.total_steps)  # a log file gets lines, not a bar
 
     def validated(at: int) -> None:
         """Held-out metrics at step `at`, logged, and their headline printed."""
@@ -163,10 +164,10 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
         outputs = live.run(inputs)
         algo.after_step(live.stages, outputs)
         metrics = {**algo.metrics(outputs, time.perf_counter() - begin), **driver_metrics}
-        check_health(metrics, t.max_consecutive_skips, last_ckpt)
+        check_health(metrics, last_ckpt)
         at += 1
         tracker.log_metrics(metrics, step=at)
-        if t.samples_every and at % t.samples_every == 0 and (rows := algo.samples(outputs)):
+        if (at == t.total_steps or (t.val_every and at % t.val_every == 0)) and (rows := algo.samples(outputs)):
             tracker.log_table([dict(s, step=at) for s in rows], f"samples/step_{at:06d}.json")
         if t.save_every and at % t.save_every == 0 and at < t.total_steps:
             last_ckpt = save(cfg, live.stages, at, loader, tracker.run_id)
@@ -212,12 +213,17 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
         live.close(lost=not healthy)  # after an error a worker may hang: kill, do not wait for it
 
 
-def check_health(metrics: dict[str, float], limit: int, last_ckpt: Path | None) -> None:
+# A run whose optimizer refuses this many updates in a row has diverged (or its data or reward is
+# broken): going on burns GPU hours with weights that never move. One or two in a row do happen.
+MAX_CONSECUTIVE_SKIPS = 5
+
+
+def check_health(metrics: dict[str, float], last_ckpt: Path | None) -> None:
     """Stop when the optimizer keeps refusing non-finite updates; the weights never took them."""
-    if limit and metrics["actor/consecutive_skipped_steps"] >= limit:
+    if metrics["actor/consecutive_skipped_steps"] >= MAX_CONSECUTIVE_SKIPS:
         raise RuntimeError(
             f"{int(metrics['actor/consecutive_skipped_steps'])} optimizer steps in a row had a non-finite loss "
-            f"or gradient (trainer.max_consecutive_skips={limit}); stopping. The last checkpoint is intact: "
+            f"or gradient; stopping. The last checkpoint is intact: "
             f"{last_ckpt or 'none was written yet'}")
 
 

@@ -223,8 +223,7 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
 LORA = ["actor.lora_rank=8", "actor.lr=5e-3", "actor.kl_loss_coef=0.05"]  # adapters, the base as the reference
 # the smoke recipe's sizes, for a run of another embedded recipe that is as small
 SMOKE_SIZES = ["data.prompts_per_step=8", "data.val_max_prompts=16", "rollout.samples_per_prompt=4",
-               "rollout.max_new_tokens=4", "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16",
-               "trainer.samples_every=1", "trainer.progress=false"]
+               "rollout.max_new_tokens=4", "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16"]
 
 
 def test_lora_split_placement_pushes_the_adapters_alone_and_matches_hybrid(tmp_path):
@@ -408,7 +407,7 @@ def test_the_python_api_refuses_a_setting_that_cannot_work_before_anything_start
 
 def test_mlflow_run_makes_exactly_one_run(tmp_path):
     overrides = (f"trainer.output_dir={tmp_path}/out data.prompts_per_step=8 data.val_max_prompts=16 "
-                 "actor.mini_batch_prompts=4 rollout.max_new_tokens=4 warmstart.steps=2 trainer.progress=false")
+                 "actor.mini_batch_prompts=4 rollout.max_new_tokens=4 warmstart.steps=2")
     proc = subprocess.run([str(BIN / "mlflow"), "run", str(ROOT), "--env-manager", "local", "-P", "steps=3",
                            "-P", "samples_per_prompt=4", "-P", f"overrides={overrides}"],
                           env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
@@ -432,7 +431,7 @@ ALGORITHMS = {
 }
 ONE_TINY_STEP = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.max_new_tokens=4",
                  "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16", "trainer.total_steps=1",
-                 "trainer.val_every=0", "trainer.val_samples=2", "trainer.progress=false")
+                 "trainer.val_every=0", "trainer.val_samples=2")
 
 
 @pytest.mark.parametrize("conf", sorted(ALGORITHMS))
