@@ -216,7 +216,12 @@ def all_keys(cls: Any = Config, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-RENAMED = {"trainer.async_mode": "trainer.max_staleness (sync: 0, one_step: 1)"}  # old key -> what replaced it
+RENAMED = {  # old key -> what replaced it
+    "trainer.async_mode": "trainer.max_staleness (sync: 0, one_step: 1)",
+    "trainer.progress": "behaviour: the progress bar shows when stderr is a terminal, lines otherwise",
+    "trainer.samples_every": "trainer.val_every: a table of sample generations is logged with each validation",
+    "trainer.max_consecutive_skips": "a constant: five non-finite optimizer steps in a row stop the run",
+}
 
 
 def _unknown(key: str) -> ConfigError:

@@ -107,6 +107,7 @@ def test_malformed_yaml_is_one_line_naming_the_file_and_place(tmp_path):
      "run them with trainer.max_staleness=0"),
     (["trainer.max_staleness=-1"], "must be >= 0"),
     (["trainer.async_mode=one_step"], "is now trainer.max_staleness \\(sync: 0, one_step: 1\\)"),
+    (["trainer.progress=false"], "is now behaviour: the progress bar shows when stderr is a terminal"),
     ("actor.sp=2", "divide placement.workers=1"),
     (["placement.workers=2", "actor.sp=2", "actor.pack_sequences=true"], "runs padded rows"),
     (["placement.workers=2", "actor.sp=2", "actor.loss_agg=seq-mean-token-mean"], "token-level loss"),
