@@ -75,6 +75,7 @@ class Pool:
             raise RuntimeError(f"pool '{name}': {size} bundles of {bundle} not available within "
                                f"{timeout_s:.0f}s; cluster has {ray.cluster_resources()}")
         slots = [(g, i) for g, (_, n) in zip(self.groups, where) for i in range(n)]  # rank -> (group, bundle)
+        self.processes: list[tuple[str, int]] = []  # each rank's (node id, pid), where its owner asked
         # Ray's stubs lack concurrency_groups, and .options() refuses it
         remote_cls: Any = ray.remote(concurrency_groups=concurrency_groups)(worker_cls)  # type: ignore[call-overload]
         self.workers: list[Any] = [

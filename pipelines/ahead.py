@@ -12,6 +12,7 @@ generates the batches that were in flight again, from the checkpoint's weights, 
 from __future__ import annotations
 
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -19,6 +20,7 @@ import ray
 from rlflow.engine.batch import Update
 from rlflow.engine.config import Config
 from rlflow.engine.data.prompts import PromptLoader
+from rlflow.pipelines import hangs
 from rlflow.pipelines.runtime import (
     SUBMIT,
     WORKER_LOST,
@@ -81,14 +83,16 @@ class Ahead:
         the trainer's current weights and generates the queued steps again. Any other loss, or more
         than `trainer.max_restarts` of these, goes to the driver (`e` raised), which rebuilds every
         worker from the last checkpoint. `lost`: the calls given up on; `hung`: the pool's generation
-        ran past the step timeout (a worker stuck in a call still answers `alive` on its second
+        ran past the step timeout (a worker stuck in a call still answers `where` on its second
         thread, so only a dead or stopped one is found by asking)."""
         limit = self.cfg.trainer.max_restarts
         if self.rebuilds >= limit or not (hung or rollout_lost(stages)):
             raise e
         self.rebuilds += 1
-        print(f"rlflow: a rollout worker {how_lost(e, self.cfg.trainer.step_timeout_s)} ({type(e).__name__}); "
-              f"new rollout pool {self.rebuilds}/{limit}, training goes on")
+        print(f"rlflow: a rollout worker {how_lost(e, self.cfg.trainer.step_timeout_s)} ({type(e).__name__})")
+        hangs.explain([p for p in stages.pools if p.name == "rollout"], stages.groups(),
+                      Path(self.cfg.trainer.output_dir) / "hang" / f"rollout_{self.rebuilds}")
+        print(f"rlflow: new rollout pool {self.rebuilds}/{limit}, training goes on")
         self.queued.clear()
         rebuild_rollout(self.cfg, self.model_path, stages)
         settle(lost)  # the old pool is gone: its calls have failed by now

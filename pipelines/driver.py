@@ -29,6 +29,7 @@ from rlflow.engine import checkpoint
 from rlflow.engine.config import Config, to_dict
 from rlflow.engine.data.prompts import PromptLoader
 from rlflow.engine.tracking import Tracker
+from rlflow.pipelines import hangs
 from rlflow.pipelines.runtime import WORKER_LOST, Runner, Stages, how_lost
 from rlflow.stages.policy import Policy
 
@@ -181,11 +182,12 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
             try:
                 step = advance(step)
             except WORKER_LOST as e:  # in the step, a validation or a checkpoint's save
+                print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} at step {step} ({type(e).__name__})")
+                hangs.explain(live.stages.pools, live.stages.groups(), out / "hang" / f"step_{step:06d}", tracker)
                 if restarts >= t.max_restarts:
                     raise
                 restarts += 1
-                print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} at step {step} ({type(e).__name__}); "
-                      f"restart {restarts}/{t.max_restarts} from {last_ckpt or 'the initial model'}")
+                print(f"rlflow: restart {restarts}/{t.max_restarts} from {last_ckpt or 'the initial model'}")
                 tracker.log_metrics({"trainer/restarts": restarts}, step=step, again=True)
                 tracker.set_tags({f"restart.{restarts}": f"step {step}: {type(e).__name__}: {e}"[:500]})
                 live.close(lost=True)

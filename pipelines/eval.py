@@ -31,6 +31,7 @@ from rlflow.engine.batch import Batch
 from rlflow.engine.config import Config
 from rlflow.engine.data.prompts import load_prompts
 from rlflow.engine.tracking import Tracker
+from rlflow.pipelines import hangs
 from rlflow.pipelines.grpo import summarise
 from rlflow.pipelines.runtime import WORKER_LOST, how_lost, launch_scoring, rollout
 
@@ -47,11 +48,15 @@ def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[lis
             sampled = rollout(scoring.generator, scoring.reward, prompts, 0, samples=cfg.rollout.samples_per_prompt)
             return [b for b in greedy if len(b)], [b for b in sampled if len(b)]
         except WORKER_LOST as e:
+            print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} during the evaluation ({type(e).__name__})",
+                  flush=True)
+            if scoring is not None:
+                hangs.explain([scoring.pool], [scoring.generator, scoring.reward],
+                              Path(t.output_dir) / "hang" / f"eval_{restarts}")
             if restarts >= t.max_restarts:
                 raise
             restarts += 1
-            print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} during the evaluation ({type(e).__name__}); "
-                  f"restart {restarts}/{t.max_restarts}", flush=True)
+            print(f"rlflow: restart {restarts}/{t.max_restarts}", flush=True)
         finally:
             if scoring is not None:
                 scoring.shutdown()

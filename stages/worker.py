@@ -41,9 +41,10 @@ class StageWorker:
         return getattr(self.stages[stage], verb)(*args)
 
     @ray.method(concurrency_group="beside")
-    def alive(self) -> bool:
-        """Answers while the worker's calls are busy: a dead or stopped worker never does."""
-        return True
+    def where(self) -> tuple[str, int]:
+        """This worker's node and process id. Answers while the worker's calls are busy: a dead or
+        stopped worker never does."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     def cache_compiles(self, path: str) -> None:
         """Keep what torch.compile makes under `path` (trainer.output_dir's `compile_cache`): inductor's

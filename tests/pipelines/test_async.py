@@ -4,6 +4,7 @@ Ray cluster, a real sqlite MLflow store, a rollout pool of its own."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from test_e2e import BIN, fault_after_step_2, history, only_run, rlflow
@@ -86,6 +87,10 @@ def test_async_replaces_a_lost_rollout_worker_while_training_goes_on(tmp_path, f
     assert (tmp_path / "faulted").exists()
     lost = "died" if fault == "dies" else "ran past trainer.step_timeout_s=30"
     assert f"a rollout worker {lost}" in output and "new rollout pool 1/1" in output, output[-3000:]
+    if fault == "hangs":  # said before the pool is replaced: the environment's own frame, in its thread
+        assert re.search(r"^  rollout rank 0 \(Rollout; pid \d+\): in Rollout\.generate \(stages/rollout\.py:\d+\) "
+                         r">.* thread rlflow-env in FailsOnce\.__init__ \(.*fails_once\.py:\d+\)$", output,
+                         re.MULTILINE), output[-3000:]
     assert "restart 1/1" not in output
     client, run = only_run(tmp_path)
     got = history(client, run.info.run_id)

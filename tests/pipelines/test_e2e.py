@@ -350,7 +350,15 @@ def test_a_stuck_step_is_abandoned_after_the_step_timeout_and_the_run_finishes(t
                   "warmstart.stop_accuracy=0")
     assert "a worker ran past trainer.step_timeout_s=20" in proc.stdout and "restart 1/1" in proc.stdout
     assert time.time() - began < 250  # abandoned, not waited out
+    # before the restart, what each worker was doing: the stage verb, rlflow's innermost frame,
+    # and the thread that runs the user's function, at its line
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("  hybrid rank 0 (")]
+    assert re.search(r"in Reward\.score \(stages/reward\.py:\d+\) > .* thread rlflow-reward in "
+                     rf"compute_score \({reward}:7\)$", line), line
     client, run = only_run(tmp_path)
+    [hang] = client.list_artifacts(run.info.run_id, "hang")
+    assert {a.path.rpartition("/")[2] for a in client.list_artifacts(run.info.run_id, hang.path)} == {
+        "summary.txt", "hybrid_rank0.txt"}
     assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
     assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2, 3]
     assert run.info.status == "FINISHED"

@@ -6,6 +6,7 @@ local Ray cluster, real MLflow. GRPO's cases are in test_e2e.py."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -69,10 +70,14 @@ def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path, mod
     assert proc.returncode == 0, output[-3000:]
     what = "died" if fault == signal.SIGKILL else "ran past trainer.step_timeout_s=15"
     assert f"a worker {what}" in output and "restart 1/1" in output, output[-3000:]
-    if job == "eval":
+    if job == "eval":  # its fault may land while its workers start, before there is a step to explain
         client, run = only_run(tmp_path)
         assert run.data.metrics["eval/prompts"] == 256 and run.info.status == "FINISHED"
         return
+    # what each worker was doing, said before the restart: a killed one is gone, a stopped one's
+    # stacks are read all the same
+    seen = "gone: the process exited" if fault == signal.SIGKILL else "stopped; "
+    assert re.search(rf"^  \w+ rank 0 \([\w, ]+; pid \d+\): {seen}", output, re.MULTILINE), output[-3000:]
     client, run = only_run(tmp_path)
     assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
     total = int(next(a for a in cmd if a.startswith("trainer.total_steps=")).split("=")[1])

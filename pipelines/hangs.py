@@ -1,0 +1,190 @@
+"""What every worker was doing when a step was lost (a worker died, or a wait ran past
+`trainer.step_timeout_s`), read before anything is killed.
+
+For each worker of each pool, `report` reads the process's Python stacks, every thread, from
+outside with py-spy (it needs nothing from the process and reads a stopped one too), on the
+worker's own node; where that node has NVIDIA GPUs, it adds what nvidia-smi says they run. It
+writes one file per worker and a summary into a directory (the driver logs it as the run's
+`hang/step_N` artifact) and returns the summary: per worker, the stage verb it is in, the
+innermost frame of rlflow's own code, and the innermost frame of all, which is the wait it is
+in or the user's code it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+
+# rlflow's own code, as its files resolve (an editable install reaches them through links)
+OURS = tuple(str(Path(__file__).resolve().parents[1] / part) + os.sep for part in ("engine", "stages", "pipelines"))
+LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
+CALL = ("StageWorker.run", "worker.py")  # the frame a stage verb runs under: the one inside it is the verb
+
+
+def look(pid: int) -> dict[str, Any]:
+    """On the worker's node: its process state, py-spy's threads (innermost frame first) or why
+    there are none, and the node's GPUs."""
+    state = _state(pid)
+    if state is None:
+        return {"state": "gone: the process exited", "threads": None, "gpus": _gpus()}
+    spy = shutil.which("py-spy", path=os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))))
+    if spy is None:
+        return {"state": state, "threads": None, "why": "py-spy is not installed (ray[default] brings it)",
+                "gpus": _gpus()}
+    try:
+        out = subprocess.run([spy, "dump", "--nonblocking", "--json", "--pid", str(pid)], capture_output=True,
+                             text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return {"state": state, "threads": None, "why": "py-spy ran past 30 s", "gpus": _gpus()}
+    if out.returncode:
+        why = next(iter((out.stderr or out.stdout).strip().splitlines()), f"py-spy exited {out.returncode}")
+        return {"state": state, "threads": None, "why": why, "gpus": _gpus()}
+    return {"state": state, "threads": json.loads(out.stdout), "gpus": _gpus()}
+
+
+def _state(pid: int) -> str | None:
+    """'running', 'stopped' (SIGSTOP, a debugger), ...; None when no such process is left."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "running"
+    return {"T": "stopped", "t": "stopped", "Z": None, "X": None, "D": "in uninterruptible I/O"}.get(code, "running")
+
+
+def _gpus() -> str:
+    """What nvidia-smi says each GPU and each process on it is doing; '' without NVIDIA GPUs."""
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    out = []
+    for query in (["--query-gpu=index,utilization.gpu,memory.used,memory.total"],
+                  ["--query-compute-apps=gpu_uuid,pid,used_memory"]):
+        try:
+            done = subprocess.run(["nvidia-smi", *query, "--format=csv"], capture_output=True, text=True, timeout=30)
+            out.append(done.stdout.strip() or done.stderr.strip())
+        except (OSError, subprocess.TimeoutExpired) as e:
+            out.append(f"nvidia-smi: {e}")
+    return "\n".join(out)
+
+
+def _where(frame: dict[str, Any]) -> str:
+    """`name (file:line)`, rlflow's files by their path in the project."""
+    path = str(Path(frame["filename"]).resolve()) if frame["filename"].startswith(os.sep) else frame["filename"]
+    for root in OURS:
+        if path.startswith(root):
+            path = str(Path(root).name / Path(path[len(root):]))
+            break
+    return f"{frame['name']} ({path}:{frame['line']})"
+
+
+def _ours(frame: dict[str, Any]) -> bool:
+    return frame["filename"].startswith(os.sep) and str(Path(frame["filename"]).resolve()).startswith(OURS)
+
+
+def _users(frame: dict[str, Any]) -> bool:
+    """A frame of the user's own code: a file of neither rlflow nor Python's or an installed library's."""
+    name = frame["filename"]
+    return name.startswith(os.sep) and not _ours(frame) and not name.startswith(LIBRARIES)
+
+
+def _is_call(frame: dict[str, Any]) -> bool:
+    return (frame["name"], frame["filename"].rpartition(os.sep)[2]) == CALL
+
+
+def summary(seen: dict[str, Any]) -> str:
+    """One worker in a line: the verb it runs > rlflow's innermost frame > the innermost frame."""
+    threads = seen["threads"]
+    state = "" if seen["state"] == "running" else f"{seen['state']}; "
+    if threads is None:
+        return f"{seen['state']}" + (f"; no stacks: {seen['why']}" if "why" in seen else "")
+    busy = [t for t in threads if any(map(_is_call, t["frames"]))]
+    if not busy:
+        return f"{state}idle: no stage call running"
+    frames = busy[0]["frames"]  # innermost first
+    call = next(i for i, f in enumerate(frames) if _is_call(f))
+    if not call:
+        return f"{state}in StageWorker.run"
+    inside = frames[:call - 1]  # below the verb
+    steps = [_where(f) for f in (frames[call - 1], next((f for f in inside if _ours(f)), None), frames[0]) if f]
+    steps = [s for i, s in enumerate(steps) if s not in steps[:i]]
+    # the user's code that one of our threads runs for the call (a reward function's, an environment's)
+    helpers = [f"; thread {t['thread_name'] or t['os_thread_id']} in {_where(t['frames'][0])}" for t in threads
+               if t is not busy[0] and t["frames"] and _users(t["frames"][0]) and any(map(_ours, t["frames"]))]
+    return state + "in " + " > ".join(steps) + "".join(helpers)
+
+
+def _render(name: str, seen: dict[str, Any]) -> str:
+    lines = [f"{name}: {seen['state']}"]
+    if seen["threads"] is None:
+        lines.append(f"no stacks: {seen.get('why', seen['state'])}")
+    for t in seen["threads"] or []:
+        lines.append(f"\nThread {t['os_thread_id']} {t['thread_name'] or ''} ({'active' if t['active'] else 'idle'})")
+        lines += [f"    {_where(f)}" for f in t["frames"]]
+    if seen["gpus"]:
+        lines += ["", "nvidia-smi on this node:", seen["gpus"]]
+    return "\n".join(lines) + "\n"
+
+
+def report(pools: Sequence[Any], groups: Sequence[Any], directory: Path) -> list[str]:
+    """Every worker of `pools` (each pool's `processes`: the (node, pid) of each rank), named by
+    the stages of `groups` it hosts: its stacks written to `directory`, one line each returned."""
+    here = ray.get_runtime_context().get_node_id()
+    hosts: dict[int, list[str]] = {}
+    for group in groups:
+        for w in group.workers:
+            hosts.setdefault(id(w), []).append(group.key)
+    ranks = [(pool.name, rank, w, *where) for pool in pools for rank, (w, where) in
+             enumerate(zip(pool.workers, pool.processes))]
+
+    def seen(node: str, pid: int) -> dict[str, Any]:
+        if node == here:
+            return look(pid)
+        far = ray.remote(num_cpus=0)(look).options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        try:
+            return ray.get(far.remote(pid), timeout=60)
+        except Exception as e:  # the node itself may be what was lost
+            return {"state": f"not read: its node did not answer ({type(e).__name__})", "threads": None, "gpus": ""}
+
+    with ThreadPoolExecutor(max(1, len(ranks))) as pool:
+        found = list(pool.map(lambda r: seen(r[3], r[4]), ranks))
+    directory.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for (name, rank, w, _, pid), looked in zip(ranks, found):
+        who = f"{name} rank {rank} ({', '.join(sorted(set(hosts.get(id(w), []))))}; pid {pid})"
+        lines.append(f"{who}: {summary(looked)}")
+        (directory / f"{name}_rank{rank}.txt").write_text(_render(who, looked))
+    (directory / "summary.txt").write_text("\n".join(lines) + "\n")
+    return lines
+
+
+def explain(pools: Sequence[Any], groups: Sequence[Any], directory: Path, tracker: Any = None) -> None:
+    """`report`, on the terminal and, with a tracker, as the run's `hang/<directory's name>` artifact.
+    Never raises: the explanation must not stand in the way of the recovery."""
+    try:
+        lines = report(pools, groups, directory)
+    except Exception as e:
+        print(f"rlflow: could not read the workers' stacks: {type(e).__name__}: {e}", flush=True)
+        return
+    print(f"rlflow: what each worker was doing (stacks in {directory}):", flush=True)
+    for line in lines:
+        print(f"  {line}", flush=True)
+    if tracker is not None:
+        tracker.log_artifact(str(directory), f"hang/{directory.name}")
