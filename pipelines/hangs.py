@@ -26,7 +26,6 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-
 # rlflow's own code, as its files resolve (an editable install reaches them through links)
 OURS = tuple(str(Path(__file__).resolve().parents[1] / part) + os.sep for part in ("engine", "stages", "pipelines"))
 LIBRARIES = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")})
