@@ -179,7 +179,8 @@ class TrainerConfig:
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
     max_staleness: int = 0  # 0 = synchronous; k: the rollout pool runs up to k steps ahead, samples <= k versions old
     max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
-    step_timeout_s: float = 3600.0  # a step or validation running longer counts as a stuck worker (rebuilt too)
+    stall_timeout_s: float = 600.0  # no work done this long with a call running: stuck (stacks saved, rebuilt)
+    step_timeout_s: float = 3600.0  # the most any one wait on the workers lasts, moving or not (rebuilt too)
     experiment: str = "rlflow"  # MLflow experiment of the run
     run_name: str = ""  # MLflow run name; "" lets MLflow pick one
     register_model: str = ""  # Model Registry name for the exported policy; "" = don't register
@@ -559,7 +560,8 @@ def _validate_ranges(cfg: Config) -> None:
                 "actor.grad_clip": a.grad_clip,
                 "warmstart.lr": cfg.warmstart.lr, "warmstart.batch_size": cfg.warmstart.batch_size,
                 "trainer.keep_last": cfg.trainer.keep_last, "rollout.top_p": r.top_p,
-                "trainer.step_timeout_s": cfg.trainer.step_timeout_s}
+                "trainer.step_timeout_s": cfg.trainer.step_timeout_s,
+                "trainer.stall_timeout_s": cfg.trainer.stall_timeout_s}
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{key} must be > 0, got {value}")

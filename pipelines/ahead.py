@@ -83,15 +83,17 @@ class Ahead:
         the trainer's current weights and generates the queued steps again. Any other loss, or more
         than `trainer.max_restarts` of these, goes to the driver (`e` raised), which rebuilds every
         worker from the last checkpoint. `lost`: the calls given up on; `hung`: the pool's generation
-        ran past the step timeout (a worker stuck in a call still answers `where` on its second
+        ran past the step timeout (a worker stuck in a call still answers `status` on its second
         thread, so only a dead or stopped one is found by asking)."""
         limit = self.cfg.trainer.max_restarts
         if self.rebuilds >= limit or not (hung or rollout_lost(stages)):
             raise e
         self.rebuilds += 1
-        print(f"rlflow: a rollout worker {how_lost(e, self.cfg.trainer.step_timeout_s)} ({type(e).__name__})")
-        hangs.explain([p for p in stages.pools if p.name == "rollout"], stages.groups(),
-                      Path(self.cfg.trainer.output_dir) / "hang" / f"rollout_{self.rebuilds}")
+        stuck = hangs.stopped_stuck()  # the watchdog explained it already
+        print(f"rlflow: a rollout worker {stuck or how_lost(e, self.cfg.trainer.step_timeout_s)} ({type(e).__name__})")
+        if stuck is None:
+            hangs.explain([p for p in stages.pools if p.name == "rollout"], stages.groups(),
+                          Path(self.cfg.trainer.output_dir) / "hang" / f"rollout_{self.rebuilds}")
         print(f"rlflow: new rollout pool {self.rebuilds}/{limit}, training goes on")
         self.queued.clear()
         rebuild_rollout(self.cfg, self.model_path, stages)

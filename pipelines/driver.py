@@ -177,13 +177,17 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
 
     healthy = False  # every worker alive and idle at the end: stopped gracefully, not killed
     stop = StopRequests()
+    dog = hangs.Watchdog(t.stall_timeout_s, out / "hang", tracker)
     try:
         while step < t.total_steps and not stop.signum:
             try:
-                step = advance(step)
+                with dog.watching(live.stages.pools, live.stages.groups(), f"step_{step:06d}"):
+                    step = advance(step)
             except WORKER_LOST as e:  # in the step, a validation or a checkpoint's save
-                print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} at step {step} ({type(e).__name__})")
-                hangs.explain(live.stages.pools, live.stages.groups(), out / "hang" / f"step_{step:06d}", tracker)
+                stuck = hangs.stopped_stuck()  # the watchdog explained it already
+                print(f"rlflow: a worker {stuck or how_lost(e, t.step_timeout_s)} at step {step} ({type(e).__name__})")
+                if stuck is None:
+                    hangs.explain(live.stages.pools, live.stages.groups(), out / "hang" / f"step_{step:06d}", tracker)
                 if restarts >= t.max_restarts:
                     raise
                 restarts += 1
@@ -200,13 +204,14 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
             bar.close()
             raise Stopped(stop.signum, step, last_ckpt)
         stop.restore()
-        validated(t.total_steps)
-        bar.close()
-        ckpt = save(cfg, live.stages, t.total_steps, loader, tracker.run_id)
+        with dog.watching(live.stages.pools, live.stages.groups(), "final"):
+            validated(t.total_steps)
+            bar.close()
+            ckpt = save(cfg, live.stages, t.total_steps, loader, tracker.run_id)
+            export = out / "hf_model"
+            live.stages.policy.all(Policy.export, str(export))
         if t.log_checkpoint:
             tracker.log_artifact(str(ckpt), f"checkpoints/{ckpt.name}")
-        export = out / "hf_model"
-        live.stages.policy.all(Policy.export, str(export))
         tracker.log_artifact(str(export), "hf_model")
         healthy = True
         return export

@@ -40,17 +40,21 @@ def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[lis
     """The greedy and the sampled batches of `prompts` (in prompt order), on workers rebuilt and
     run again when one is lost."""
     t, restarts = cfg.trainer, 0
+    dog = hangs.Watchdog(t.stall_timeout_s, Path(t.output_dir) / "hang")
     while True:
         scoring = None
         try:
             scoring = launch_scoring(cfg, str(model_dir))
-            greedy = rollout(scoring.generator, scoring.reward, prompts, 0, greedy=True)
-            sampled = rollout(scoring.generator, scoring.reward, prompts, 0, samples=cfg.rollout.samples_per_prompt)
+            with dog.watching([scoring.pool], [scoring.generator, scoring.reward], f"eval_{restarts}"):
+                greedy = rollout(scoring.generator, scoring.reward, prompts, 0, greedy=True)
+                sampled = rollout(scoring.generator, scoring.reward, prompts, 0,
+                                  samples=cfg.rollout.samples_per_prompt)
             return [b for b in greedy if len(b)], [b for b in sampled if len(b)]
         except WORKER_LOST as e:
-            print(f"rlflow: a worker {how_lost(e, t.step_timeout_s)} during the evaluation ({type(e).__name__})",
-                  flush=True)
-            if scoring is not None:
+            stuck = hangs.stopped_stuck()  # the watchdog explained it already
+            print(f"rlflow: a worker {stuck or how_lost(e, t.step_timeout_s)} during the evaluation "
+                  f"({type(e).__name__})", flush=True)
+            if scoring is not None and stuck is None:
                 hangs.explain([scoring.pool], [scoring.generator, scoring.reward],
                               Path(t.output_dir) / "hang" / f"eval_{restarts}")
             if restarts >= t.max_restarts:

@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -187,3 +189,71 @@ def explain(pools: Sequence[Any], groups: Sequence[Any], directory: Path, tracke
         print(f"  {line}", flush=True)
     if tracker is not None:
         tracker.log_artifact(str(directory), f"hang/{directory.name}")
+
+
+_FIRED: list[str] = []  # why a watchdog stopped a stuck call, until the recovery reads it
+
+
+def stopped_stuck() -> str | None:
+    """Why a watchdog stopped the workers whose loss is being handled (it explained it already),
+    or None when it did not."""
+    return _FIRED.pop() if _FIRED else None
+
+
+class Watchdog:
+    """While `watching`, asks every worker of the pools for its status every few seconds. When a
+    call runs and no worker's count of work done (engine/progress.py) has moved for `stall_s`
+    (a stopped or dead worker never answers, and so never moves), the step is stuck: it explains
+    what each worker was doing (`explain`), then kills the workers that run a call or do not
+    answer, so that the driver's wait fails at once and its recovery goes on; `stopped_stuck`
+    then says why, for the restart line. A long step that moves is never stopped."""
+
+    def __init__(self, stall_s: float, directory: Path, tracker: Any = None) -> None:
+        self.stall_s, self.directory, self.tracker = stall_s, directory, tracker
+        self.every = min(10.0, stall_s / 4)
+
+    def watching(self, pools: Sequence[Any], groups: Sequence[Any], label: str) -> _Watch:
+        return _Watch(self, pools, groups, label)
+
+    def _watch(self, pools: Sequence[Any], groups: Sequence[Any], label: str, stop: threading.Event) -> None:
+        workers = [w for pool in pools for w in pool.workers]
+        last: list[int | None] = []
+        moved = time.monotonic()
+        while not stop.wait(self.every):
+            refs = [w.status.remote() for w in workers]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.every)
+            seen: list[tuple[str, int, int, int] | None] = []
+            for ref in refs:
+                try:
+                    seen.append(ray.get(ref) if ref in ready else None)
+                except Exception:  # a dead worker
+                    seen.append(None)
+            counts = [s[2] if s else None for s in seen]
+            busy = [w for w, s in zip(workers, seen) if s is None or s[3] > 0]
+            now = time.monotonic()
+            if counts != last or not busy:  # moving, or nothing to wait for (the driver's own work)
+                last, moved = counts, now
+            elif now - moved >= self.stall_s and not stop.is_set():
+                _FIRED.append(f"made no progress for trainer.stall_timeout_s={self.stall_s:g}")
+                print(f"rlflow: no worker moved for trainer.stall_timeout_s={self.stall_s:g} while a call ran",
+                      flush=True)
+                explain(pools, groups, self.directory / label, self.tracker)
+                for w in busy:
+                    ray.kill(w)
+                return
+
+
+class _Watch:
+    """`with watchdog.watching(pools, groups, label):` the watchdog's thread runs for the block."""
+
+    def __init__(self, dog: Watchdog, pools: Sequence[Any], groups: Sequence[Any], label: str) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=dog._watch, args=(pools, groups, label, self.stop),
+                                       name="rlflow-watchdog", daemon=True)
+
+    def __enter__(self) -> None:
+        self.thread.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()

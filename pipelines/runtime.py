@@ -341,7 +341,7 @@ def rollout_lost(stages: Stages) -> bool:
     worker busy generating still answers)."""
     assert isinstance(stages.sync, Broadcast), "only a split rollout pool is lost alone"
     try:
-        ray.get([w.where.remote() for w in stages.sync.receiver.workers], timeout=10)
+        ray.get([w.status.remote() for w in stages.sync.receiver.workers], timeout=10)
     except WORKER_LOST:
         return True
     return False
@@ -393,7 +393,7 @@ def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, tim
     worker counts as lost: one stopped as it starts is not waited on longer than a stuck step would be."""
     pool = Pool(name, StageWorker, size, gpus, threads, timeout_s, StageWorker.GROUPS)
     try:  # a worker lost here takes its pool down, so the driver's rebuild can place one of the same name
-        pool.processes = ray.get([w.where.remote() for w in pool.workers], timeout=call_timeout_s)  # for hangs.report
+        pool.processes = [s[:2] for s in ray.get([w.status.remote() for w in pool.workers], timeout=call_timeout_s)]
         if compile_cache:
             ray.get([w.cache_compiles.remote(compile_cache) for w in pool.workers], timeout=call_timeout_s)
         if group:

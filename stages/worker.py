@@ -18,7 +18,7 @@ from typing import Any
 import ray
 import torch
 
-from rlflow.engine import hub
+from rlflow.engine import hub, progress
 from rlflow.engine.tensors import tcp_store
 
 
@@ -29,6 +29,7 @@ class StageWorker:
         self.rank, self.world = rank, world
         torch.set_num_threads(threads)
         self.stages: dict[str, Any] = {}
+        self.running = 0  # calls in `run` now (a second thread's too)
 
     def add(self, cls: type, kwargs: dict[str, Any]) -> None:
         """Build stage `cls` here; calls reach it by its class's name. A model from the Hub that the
@@ -38,13 +39,20 @@ class StageWorker:
         self.stages[cls.__name__] = cls(**kwargs)
 
     def run(self, stage: str, verb: str, *args: Any) -> Any:
-        return getattr(self.stages[stage], verb)(*args)
+        self.running += 1
+        progress.tick()
+        try:
+            return getattr(self.stages[stage], verb)(*args)
+        finally:
+            self.running -= 1
+            progress.tick()
 
     @ray.method(concurrency_group="beside")
-    def where(self) -> tuple[str, int]:
-        """This worker's node and process id. Answers while the worker's calls are busy: a dead or
-        stopped worker never does."""
-        return ray.get_runtime_context().get_node_id(), os.getpid()
+    def status(self) -> tuple[str, int, int, int]:
+        """This worker's node and process id, the work it has done (engine/progress.py) and the
+        calls it runs now. Answers while the worker's calls are busy: a dead or stopped worker
+        never does."""
+        return ray.get_runtime_context().get_node_id(), os.getpid(), progress.done(), self.running
 
     def cache_compiles(self, path: str) -> None:
         """Keep what torch.compile makes under `path` (trainer.output_dir's `compile_cache`): inductor's

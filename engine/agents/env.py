@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from rlflow.engine import progress
+
 if TYPE_CHECKING:
     from rlflow.engine.agents.tools import Tool
 
@@ -104,6 +106,7 @@ def call_all(calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[boo
         except BaseException as e:  # reported to the caller, as a direct call would raise it
             out[i] = (False, e)
         done[i].set()
+        progress.tick()
 
     for i, fn in enumerate(calls):
         threading.Thread(target=run, args=(i, fn), name="rlflow-env", daemon=True).start()

@@ -33,6 +33,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlflow.engine import progress
 from rlflow.engine.data import task
 from rlflow.engine.data.sandbox import run_python
 from rlflow.engine.specs import load_function
@@ -215,6 +216,7 @@ class _Worker:
                 self._outbox.put((True, fn(*args)))
             except BaseException as e:  # re-raised in the caller, as a direct call would
                 self._outbox.put((False, e))
+            progress.tick()
 
     def call(self, fn: Callable, args: tuple, timeout_s: float) -> Any:
         self._inbox.put((fn, args))

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from rlflow.engine import progress
 from rlflow.engine.rollout.base import Completion, Feed, Request, SamplingParams, limits_of, stop_ids
 from rlflow.engine.rollout.graphs import DecodeGraphs, PrefillGraphs
 from rlflow.engine.rollout.histories import Histories
@@ -239,6 +240,7 @@ class NativeRollout:
         with torch.inference_mode():
             self._lap("")
             while True:
+                progress.tick()
                 if more:
                     more = self._take(feed(finished, not (waiting or running or filling)), params, waiting, reserved)
                     finished = []

@@ -56,7 +56,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
-from rlflow.engine import algos
+from rlflow.engine import algos, progress
 from rlflow.engine.checkpoint import load_shards
 from rlflow.engine.tensors import consecutive_group, fused, to_device
 from rlflow.engine.train import ulysses, varlen
@@ -272,6 +272,7 @@ def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positio
             logp, ent = forward_logprobs(model, ids[rows], mask[rows], positions[rows], responses[rows],
                                          temperature, pack, with_entropy, share=share)
             logps[rows], ents[rows] = logp.cpu(), ent.cpu()
+            progress.tick()
         for _ in range(in_step(model, len(chunks)) - len(chunks)):
             model.idle()
     group = getattr(model, "sp_group", None)
@@ -370,6 +371,7 @@ class TrainEngine:
                 loss = micro_loss()
                 loss.backward()
                 total += loss.detach()
+                progress.tick()
         finally:
             self._hold_gathered(forward=False, backward=False)
         params = [p for p in self.root.parameters() if p.grad is not None]

@@ -286,7 +286,7 @@ def test_readme_config_reference_lists_every_key():
 def test_every_key_has_a_meaning_within_the_budget():
     unexplained = [k for k, meaning in meanings().items() if not meaning.strip()]
     assert not unexplained, f"give these keys a field comment: {unexplained}"
-    assert set(meanings()) == set(all_keys()) and len(all_keys()) <= 95, "keys are a cost: budget 95"
+    assert set(meanings()) == set(all_keys()) and len(all_keys()) <= 96, "keys are a cost: budget 96"
 
 
 def test_algorithm_switches_accept_exactly_what_the_math_dispatches_on():
