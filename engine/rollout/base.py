@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from rlflow.engine import progress
 from rlflow.engine.tensors import left_pad
 
 
@@ -95,6 +96,13 @@ class RolloutEngine(Protocol):
     def resume_memory(self) -> None: ...
 
 
+def _tick_per_token(input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+    """A stopping criterion that stops nothing: it counts each generated token as work done
+    (engine/progress.py), so a long `generate` call is not taken for a stuck one."""
+    progress.tick()
+    return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 def stop_ids(tokenizer: Any, params: SamplingParams) -> list[int]:
     """The tokenizer's EOS (when it has one) and the request's stop tokens."""
     return sorted({t for t in (tokenizer.eos_token_id, *params.stop_token_ids) if t is not None})
@@ -140,7 +148,8 @@ class HFRollout:
         self.model.eval()
         torch.manual_seed(params.seed)
         with torch.no_grad():
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen)
+            out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen,
+                                      stopping_criteria=[_tick_per_token])
         self.model.train(was_training)
         tokens = out[:, ids.shape[1]:].cpu()  # [B*n, R]
         logp = self._logprobs(ids, mask, tokens, params.temperature)

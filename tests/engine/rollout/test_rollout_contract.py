@@ -17,6 +17,7 @@ from conftest import trainer_logprobs
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlflow.engine import progress
 from rlflow.engine.data import task
 from rlflow.engine.rollout.base import Completion, HFRollout, RolloutEngine, SamplingParams
 from rlflow.engine.rollout.build import checked
@@ -171,6 +172,13 @@ def test_release_and_resume_keep_the_output(engine, tok):
         pass
     engine.resume_memory()
     assert engine.generate([prompt], params)[0][0].token_ids == before
+
+
+def test_generating_counts_its_work_as_it_goes_for_the_watchdog(engine, backend, tok):
+    before = progress.done()
+    engine.generate([tok.encode("12+7=")], SamplingParams(temperature=0, max_new_tokens=6))
+    # a tick per token or engine step (vLLM's one call counts none: the stall timeout must cover it)
+    assert progress.done() - before >= (0 if backend == "vllm" else 6)
 
 
 def test_an_engine_declares_what_it_can_do_and_a_false_claim_is_refused(engine, backend):
