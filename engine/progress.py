@@ -1,5 +1,6 @@
 """Work done in this process, counted as it happens: an engine step, a micro-batch, a scored row,
-an environment call, a token of the hf backend. It says nothing of how much is left, only that the process moves.
+an environment call, a token of the hf backend. It says nothing of how much is left, only that
+the process moves.
 
 A stage worker reports the count (`StageWorker.status`, on its second thread, so a busy worker
 answers), and the driver's watchdog (pipelines/hangs.py) declares a step stuck only when, with
