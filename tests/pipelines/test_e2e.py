@@ -329,7 +329,7 @@ def test_a_killed_worker_is_rebuilt_and_the_run_finishes(tmp_path):
 
 # A user's reward that hangs on its first call only (a file marks it), as a stuck kernel or
 # collective would hang a stage: longer than the stall timeout, shorter than its own. Every other
-# call takes 0.3 s, so a step's 32 rows take longer than the stall timeout too, moving all along.
+# call takes 0.4 s, so a step's 32 rows take longer than the stall timeout too, moving all along.
 STALLING_REWARD = """
 import pathlib, time
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -337,7 +337,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if not mark.exists():
         mark.write_text("")
         time.sleep(300)
-    time.sleep(0.3)
+    time.sleep(0.4)
     return float(len(solution_str) % 2)
 """
 
@@ -349,10 +349,10 @@ def test_a_stuck_step_is_stopped_after_the_stall_timeout_a_slow_one_is_not_and_t
     # no accuracy measured in the warm start, which would call the reward first (and has no
     # restarts); validation only at the end, on 4 prompts, greedy
     proc = rlflow(tmp_path, "out", f"reward.function={reward}:compute_score", "reward.timeout_s=600",
-                  "trainer.stall_timeout_s=5", "trainer.max_restarts=1", "trainer.total_steps=3",
+                  "trainer.stall_timeout_s=8", "trainer.max_restarts=1", "trainer.total_steps=2",
                   "warmstart.stop_accuracy=0", "trainer.val_every=0", "data.val_max_prompts=4",
                   "trainer.val_samples=0")
-    assert "a worker made no progress for trainer.stall_timeout_s=5 at step 0" in proc.stdout, proc.stdout[-3000:]
+    assert "a worker made no progress for trainer.stall_timeout_s=8 at step 0" in proc.stdout, proc.stdout[-3000:]
     assert "restart 1/1" in proc.stdout and "restart 2/" not in proc.stdout  # the slow steps go on
     assert time.time() - began < 250  # abandoned, not waited out
     # before the restart, what each worker was doing: the stage verb, rlflow's innermost frame,
@@ -366,8 +366,8 @@ def test_a_stuck_step_is_stopped_after_the_stall_timeout_a_slow_one_is_not_and_t
         "summary.txt", "hybrid_rank0.txt"}
     assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
     step_s = [m.value for m in client.get_metric_history(run.info.run_id, "timing_s/step")]
-    assert min(step_s) > 5, step_s  # each step ran past the stall timeout, and moved
-    assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2, 3]
+    assert min(step_s) > 8, step_s  # each step ran past the stall timeout, and moved
+    assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")}) == [1, 2]
     assert run.info.status == "FINISHED"
 
 
