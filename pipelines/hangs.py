@@ -1,5 +1,8 @@
-"""What every worker was doing when a step was lost (a worker died, or a wait ran past
-`trainer.step_timeout_s`), read before anything is killed.
+"""Hangs found by the work done, and explained: what every worker was doing when a step was
+lost (a worker died, or stopped moving), read before anything is killed.
+
+`Watchdog` watches a step: when a call runs and no worker's count of work done
+(engine/progress.py) moves for `trainer.stall_timeout_s`, the step is stuck.
 
 For each worker of each pool, `report` reads the process's Python stacks, every thread, from
 outside with py-spy (it needs nothing from the process and reads a stopped one too), on the
@@ -38,21 +41,21 @@ def look(pid: int) -> dict[str, Any]:
     """On the worker's node: its process state, py-spy's threads (innermost frame first) or why
     there are none, and the node's GPUs."""
     state = _state(pid)
+    seen: dict[str, Any] = {"state": state or "gone: the process exited", "threads": None, "gpus": _gpus()}
     if state is None:
-        return {"state": "gone: the process exited", "threads": None, "gpus": _gpus()}
+        return seen
     spy = shutil.which("py-spy", path=os.pathsep.join((str(Path(sys.executable).parent), os.environ.get("PATH", ""))))
     if spy is None:
-        return {"state": state, "threads": None, "why": "py-spy is not installed (ray[default] brings it)",
-                "gpus": _gpus()}
+        return {**seen, "why": "py-spy is not installed (ray[default] brings it)"}
     try:
         out = subprocess.run([spy, "dump", "--nonblocking", "--json", "--pid", str(pid)], capture_output=True,
                              text=True, timeout=30)
     except subprocess.TimeoutExpired:
-        return {"state": state, "threads": None, "why": "py-spy ran past 30 s", "gpus": _gpus()}
+        return {**seen, "why": "py-spy ran past 30 s"}
     if out.returncode:
-        why = next(iter((out.stderr or out.stdout).strip().splitlines()), f"py-spy exited {out.returncode}")
-        return {"state": state, "threads": None, "why": why, "gpus": _gpus()}
-    return {"state": state, "threads": json.loads(out.stdout), "gpus": _gpus()}
+        return {**seen, "why": next(iter((out.stderr or out.stdout).strip().splitlines()),
+                                    f"py-spy exited {out.returncode}")}
+    return {**seen, "threads": json.loads(out.stdout)}
 
 
 def _state(pid: int) -> str | None:
@@ -220,14 +223,10 @@ class Watchdog:
         last: list[int | None] = []
         moved = time.monotonic()
         while not stop.wait(self.every):
-            refs = [w.status.remote() for w in workers]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.every)
-            seen: list[tuple[str, int, int, int] | None] = []
-            for ref in refs:
-                try:
-                    seen.append(ray.get(ref) if ref in ready else None)
-                except Exception:  # a dead worker
-                    seen.append(None)
+            try:
+                seen = self._ask(workers)
+            except Exception:  # Ray shutting down under it: nothing left to watch this time
+                continue
             counts = [s[2] if s else None for s in seen]
             busy = [w for w, s in zip(workers, seen) if s is None or s[3] > 0]
             now = time.monotonic()
@@ -243,6 +242,19 @@ class Watchdog:
                 return
 
 
+    def _ask(self, workers: list[Any]) -> list[tuple[str, int, int, int] | None]:
+        """Each worker's status, None where it did not answer within one period (stopped, dead)."""
+        refs = [w.status.remote() for w in workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.every)
+        seen: list[tuple[str, int, int, int] | None] = []
+        for ref in refs:
+            try:
+                seen.append(ray.get(ref) if ref in ready else None)
+            except Exception:  # a dead worker
+                seen.append(None)
+        return seen
+
+
 class _Watch:
     """`with watchdog.watching(pools, groups, label):` the watchdog's thread runs for the block."""
 
@@ -252,6 +264,7 @@ class _Watch:
                                        name="rlflow-watchdog", daemon=True)
 
     def __enter__(self) -> None:
+        _FIRED.clear()  # a stop the last block's recovery did not need (its call finished meanwhile)
         self.thread.start()
 
     def __exit__(self, *exc: object) -> None:
