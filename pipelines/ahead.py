@@ -89,11 +89,9 @@ class Ahead:
         if self.rebuilds >= limit or not (hung or rollout_lost(stages)):
             raise e
         self.rebuilds += 1
-        stuck = hangs.stopped_stuck()  # the watchdog explained it already
-        print(f"rlflow: a rollout worker {stuck or how_lost(e, self.cfg.trainer.step_timeout_s)} ({type(e).__name__})")
-        if stuck is None:
-            hangs.explain([p for p in stages.pools if p.name == "rollout"], stages.groups(),
-                          Path(self.cfg.trainer.output_dir) / "hang" / f"rollout_{self.rebuilds}")
+        why = hangs.lost(how_lost(e, self.cfg.trainer.step_timeout_s), [p for p in stages.pools if p.name == "rollout"],
+                         stages.groups(), Path(self.cfg.trainer.output_dir) / "hang" / f"rollout_{self.rebuilds}")
+        print(f"rlflow: a rollout worker {why} ({type(e).__name__})")
         print(f"rlflow: new rollout pool {self.rebuilds}/{limit}, training goes on")
         self.queued.clear()
         rebuild_rollout(self.cfg, self.model_path, stages)

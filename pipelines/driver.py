@@ -184,10 +184,9 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
                 with dog.watching(live.stages.pools, live.stages.groups(), f"step_{step:06d}"):
                     step = advance(step)
             except WORKER_LOST as e:  # in the step, a validation or a checkpoint's save
-                stuck = hangs.stopped_stuck()  # the watchdog explained it already
-                print(f"rlflow: a worker {stuck or how_lost(e, t.step_timeout_s)} at step {step} ({type(e).__name__})")
-                if stuck is None:
-                    hangs.explain(live.stages.pools, live.stages.groups(), out / "hang" / f"step_{step:06d}", tracker)
+                why = hangs.lost(how_lost(e, t.step_timeout_s), live.stages.pools, live.stages.groups(),
+                                 out / "hang" / f"step_{step:06d}", tracker)
+                print(f"rlflow: a worker {why} at step {step} ({type(e).__name__})")
                 if restarts >= t.max_restarts:
                     raise
                 restarts += 1

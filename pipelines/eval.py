@@ -51,12 +51,10 @@ def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[lis
                                   samples=cfg.rollout.samples_per_prompt)
             return [b for b in greedy if len(b)], [b for b in sampled if len(b)]
         except WORKER_LOST as e:
-            stuck = hangs.stopped_stuck()  # the watchdog explained it already
-            print(f"rlflow: a worker {stuck or how_lost(e, t.step_timeout_s)} during the evaluation "
-                  f"({type(e).__name__})", flush=True)
-            if scoring is not None and stuck is None:
-                hangs.explain([scoring.pool], [scoring.generator, scoring.reward],
-                              Path(t.output_dir) / "hang" / f"eval_{restarts}")
+            why = hangs.lost(how_lost(e, t.step_timeout_s), [scoring.pool] if scoring else [],
+                             [scoring.generator, scoring.reward] if scoring else [],
+                             Path(t.output_dir) / "hang" / f"eval_{restarts}")
+            print(f"rlflow: a worker {why} during the evaluation ({type(e).__name__})", flush=True)
             if restarts >= t.max_restarts:
                 raise
             restarts += 1

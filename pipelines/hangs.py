@@ -197,10 +197,14 @@ def explain(pools: Sequence[Any], groups: Sequence[Any], directory: Path, tracke
 _FIRED: list[str] = []  # why a watchdog stopped a stuck call, until the recovery reads it
 
 
-def stopped_stuck() -> str | None:
-    """Why a watchdog stopped the workers whose loss is being handled (it explained it already),
-    or None when it did not."""
-    return _FIRED.pop() if _FIRED else None
+def lost(otherwise: str, pools: Sequence[Any], groups: Sequence[Any], directory: Path, tracker: Any = None) -> str:
+    """Why the workers of a lost call were lost, for the restart line: the watchdog's reason where
+    it stopped them (it explained them already), else `otherwise`, once they are explained here."""
+    if _FIRED:
+        return _FIRED.pop()
+    if pools:
+        explain(pools, groups, directory, tracker)
+    return otherwise
 
 
 class Watchdog:
@@ -208,8 +212,8 @@ class Watchdog:
     call runs and no worker's count of work done (engine/progress.py) has moved for `stall_s`
     (a stopped or dead worker never answers, and so never moves), the step is stuck: it explains
     what each worker was doing (`explain`), then kills the workers that run a call or do not
-    answer, so that the driver's wait fails at once and its recovery goes on; `stopped_stuck`
-    then says why, for the restart line. A long step that moves is never stopped."""
+    answer, so that the driver's wait fails at once and its recovery goes on; `lost` then says
+    why, for the restart line. A long step that moves is never stopped."""
 
     def __init__(self, stall_s: float, directory: Path, tracker: Any = None) -> None:
         self.stall_s, self.directory, self.tracker = stall_s, directory, tracker
