@@ -9,7 +9,7 @@ Invariants:
 - the base weights are never written: merged weights (`merged`) are computed beside them, so a
   base stays bit-identical however many syncs and exports happen (merge-and-unmerge would drift it);
 - merged = base + (B @ A) * (alpha / r), computed in float32 (`peft`'s own merge computes the same
-  expression) and stored in the base's dtype;
+  expression) a block of rows at a time, and stored in the base's dtype;
 - `adapters_off` runs the model as its base (the reference policy): no second copy of the weights;
 - a push to a rollout pool of its own sends the adapters alone; its `Merger` merges them into the
   engine beside a base copy of its own, the same way `merged` does;
@@ -118,9 +118,20 @@ def merged(model: Any, full: Any) -> Iterator[tuple[str, torch.Tensor]]:
         yield out, tensor
 
 
+MERGE_BLOCK = 1 << 24  # elements of a weight merged at a time: 64 MB of float32 temporaries
+
+
 def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """base [out, in] + (b [out, r] @ a [r, in]) * scale, in float32, returned in the base's dtype."""
-    return (base.float() + (b.float() @ a.float()) * scale).to(base.dtype)
+    """base [out, in] + (b [out, r] @ a [r, in]) * scale, in float32, returned in the base's dtype.
+    Rows a block at a time: a 7B MLP weight in float32 whole would be three ~270 MB temporaries on a
+    device that the trainer and the rollout engine already fill."""
+    out = torch.empty_like(base)
+    a32 = a.float()
+    rows = max(1, MERGE_BLOCK // base.shape[1])
+    for lo in range(0, base.shape[0], rows):
+        block = slice(lo, lo + rows)
+        out[block] = torch.addmm(base[block].float(), b[block].float(), a32, alpha=scale).to(base.dtype)
+    return out
 
 
 def adapter_tensors(model: Any, full: Any) -> Iterator[tuple[str, torch.Tensor]]:
