@@ -39,6 +39,7 @@ EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL or 
 EMBEDDED_WARMSTART_ACCURACY = 0.4  # ... ending once its greedy accuracy on training problems reaches this
 DEMO = "demo"  # the recipe of a run that names none and no model: the embedded task on the CPU
 AUTO = "auto"  # a key's value that `resolve` fills in; a number key holds it as -1
+CPU_MICRO_BATCH_TOKENS = 4096  # actor.micro_batch_tokens_per_gpu auto on the CPU, where memory is seldom short
 LR = {"rl": 1e-6, "dpo": 1e-6, "sft": 2e-5}  # actor.lr auto, full weights (TRL's GRPO, DPO and SFT defaults)
 LORA_LR_SCALE = 10  # ... times this for LoRA adapters ("LoRA Without Regret", Schulman et al., 2025)
 
@@ -86,7 +87,7 @@ class ActorConfig:
     warmup_steps: int = 0  # optimizer steps of linear lr warmup (critic too; not critic.warmup_steps)
     lr_schedule: str = "constant"  # after warmup: constant | cosine, to 0 at the last optimizer step (critic too)
     mini_batch_prompts: int = 16  # prompts per optimizer step (critic too)
-    micro_batch_tokens_per_gpu: int = 4096  # tokens per forward/backward; rows x width unless packed (critic too)
+    micro_batch_tokens_per_gpu: int = -1  # tokens a forward/backward, padded rows x width; auto: planned (critic too)
     pack_sequences: bool = False  # sequences end to end in one row (pays off on CUDA; on CPU a block mask) (critic too)
     share_prompts: bool = False  # each prompt computed once for its samples (CUDA: flex; long prompts, short answers)
     ppo_epochs: int = 1  # passes over each step's samples; > 1 reuses them under the clipped ratio (critic too)
@@ -99,7 +100,7 @@ class ActorConfig:
     kl_loss_type: str = "k3"  # its estimator: k1 | k2 | k3 | low_var_kl (verl's name for k3) | abs
     entropy_coef: float = 0.0  # weight of the entropy bonus subtracted from the loss; 0 = none
     offload_optimizer: bool = False  # CUDA: optimizer state in pinned CPU memory while generating
-    activation_checkpointing: bool = False  # recompute decoder layers in backward (critic too)
+    activation_checkpointing: str = AUTO  # recompute layers in backward: true | false | auto: planned (critic too)
     compile_layers: bool = False  # decoder layers through torch.compile; the first steps compile (critic too)
     sp: int = 1  # Ulysses sequence parallel size: groups of sp workers train on slices of the same rows
     lora_rank: int = 0  # > 0 trains LoRA adapters of this rank (PEFT) on a frozen base, its own reference; 0 = off
@@ -239,7 +240,8 @@ def _unknown(key: str) -> ConfigError:
 # Keys that take `auto`, and how each holds it until `resolve` fills it in.
 AUTO_KEYS: dict[str, Any] = {"model.dtype": AUTO, "rollout.dtype": AUTO, "actor.lr": -1.0,
                              "placement.gpus_per_worker": -1.0, "warmstart.steps": -1,
-                             "warmstart.stop_accuracy": -1.0}
+                             "warmstart.stop_accuracy": -1.0, "actor.micro_batch_tokens_per_gpu": -1,
+                             "actor.activation_checkpointing": AUTO}
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -257,6 +259,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             pass
     if tp is float and isinstance(value, float) and not math.isfinite(value):  # NaN passes every `<` check
         raise ConfigError(f"{key} must be a finite number, got {value}")
+    if tp is str and isinstance(value, bool):  # a switch that also takes auto: YAML's true/false
+        return str(value).lower()
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
@@ -376,6 +380,22 @@ def resolve(cfg: Config, job: str, gpus: int) -> None:
         w.steps = 0 if not embedded or job == "sft" else EMBEDDED_WARMSTART_STEPS
     if w.stop_accuracy == AUTO_KEYS["warmstart.stop_accuracy"]:  # the embedded task learns most from a weak start
         w.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded and job != "sft" else 0.0
+    if not p.gpus_per_worker:  # on GPUs the trainer plans both from the free memory (engine/train/memory.py)
+        if a.micro_batch_tokens_per_gpu == AUTO_KEYS["actor.micro_batch_tokens_per_gpu"]:
+            a.micro_batch_tokens_per_gpu = max(CPU_MICRO_BATCH_TOKENS, longest_row(cfg))
+        if a.activation_checkpointing == AUTO:
+            a.activation_checkpointing = "false"
+
+
+def longest_row(cfg: Config) -> int:
+    """The tokens of the longest row a step can hold: the longest prompt and the longest answer."""
+    r = cfg.rollout
+    return cfg.data.max_prompt_tokens + (r.episode_tokens if r.env else r.max_new_tokens)
+
+
+def switch(value: str) -> bool | None:
+    """A true | false | auto key's value: None for auto."""
+    return None if value == AUTO else value == "true"
 
 
 def doubts(cfg: Config, gpus: int) -> list[str]:
@@ -469,6 +489,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.rollout_correction": ROLLOUT_CORRECTIONS,
     "reward.on_error": ("zero", "raise"),
     "trainer.dag": ("compiled", "plain"),
+    "actor.activation_checkpointing": (AUTO, "true", "false"),
 }
 
 
@@ -513,8 +534,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"actor.mini_batch_prompts={a.mini_batch_prompts} does not split over "
                           f"placement.workers={p.workers}")
     _validate_sp(cfg)
-    longest = d.max_prompt_tokens + (r.episode_tokens if r.env else r.max_new_tokens)
-    if a.micro_batch_tokens_per_gpu < longest:
+    longest = longest_row(cfg)
+    if a.micro_batch_tokens_per_gpu != AUTO_KEYS["actor.micro_batch_tokens_per_gpu"] and \
+            a.micro_batch_tokens_per_gpu < longest:
         raise ConfigError(f"actor.micro_batch_tokens_per_gpu={a.micro_batch_tokens_per_gpu} cannot hold one "
                           f"sequence of max_prompt_tokens + {'episode_tokens' if r.env else 'max_new_tokens'} = "
                           f"{longest}")

@@ -38,8 +38,9 @@ from transformers import AutoModelForTokenClassification
 
 from rlflow.engine import algos
 from rlflow.engine.batch import Batch
-from rlflow.engine.config import Config
+from rlflow.engine.config import Config, longest_row
 from rlflow.engine.tensors import to_device
+from rlflow.engine.train import memory
 from rlflow.engine.train.batching import micro_batches
 from rlflow.engine.train.fsdp import (
     TrainEngine,
@@ -114,7 +115,7 @@ class Critic:
             torch.manual_seed(cfg.trainer.seed)  # every rank and in every run
             self.engine = TrainEngine(model_path, cfg.critic.lr, a.weight_decay, a.grad_clip, a.warmup_steps, steps,
                                       a.lr_schedule, cfg.model.dtype, device, root=ValueModel,
-                                      checkpointing=a.activation_checkpointing, compile_layers=a.compile_layers,
+                                      **memory.settings(cfg), compile_layers=a.compile_layers,
                                       model_cls=AutoModelForTokenClassification, num_labels=1)
 
     def values(self, batch: Batch) -> Batch:
@@ -123,7 +124,7 @@ class Critic:
         a = self.cfg.actor
         ids, mask, pos = batch.sequences()
         batch.values = torch.zeros(batch.response_ids.shape)  # [N, R]
-        chunks = micro_batches(mask, a.micro_batch_tokens_per_gpu, a.pack_sequences)
+        chunks = micro_batches(mask, self.engine.fit(longest_row(self.cfg)).tokens, a.pack_sequences)
         with torch.no_grad():
             for rows in chunks:
                 batch.values[rows] = forward_values(self.engine.root, ids[rows], mask[rows], pos[rows],
@@ -157,7 +158,7 @@ class Critic:
         denom = all_reduce_sum(float(mini.loss_mask.sum()))
         ids, attn, pos = mini.sequences()
         return [partial(self._loss, mini, r, ids, attn, pos, denom, stats)
-                for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences)]
+                for r in micro_batches(attn, self.engine.fit(longest_row(self.cfg)).tokens, a.pack_sequences)]
 
     def _loss(self, mini: Batch, r: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
               denom: float, stats: dict[str, list]) -> torch.Tensor:

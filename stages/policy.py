@@ -36,11 +36,11 @@ from transformers import AutoTokenizer
 
 from rlflow.engine import algos
 from rlflow.engine.batch import Batch, Update
-from rlflow.engine.config import Config
+from rlflow.engine.config import Config, longest_row
 from rlflow.engine.reshard import WeightBroadcast, full_tensors, push_weights, weight_shapes
 from rlflow.engine.rollout.build import weights_dtype
 from rlflow.engine.tensors import peak_memory
-from rlflow.engine.train import lora
+from rlflow.engine.train import lora, memory
 from rlflow.engine.train.fsdp import TrainEngine, response_logprobs
 from rlflow.engine.train.losses import Evaluated, Loss, sp_members
 
@@ -53,11 +53,12 @@ class Policy:
         rl_steps = cfg.trainer.total_steps - cfg.critic.warmup_steps  # the policy waits while the critic warms up
         self.engine = TrainEngine(model_path, a.lr, a.weight_decay, a.grad_clip, a.warmup_steps,
                                   rl_steps * a.ppo_epochs * (cfg.data.prompts_per_step // a.mini_batch_prompts),
-                                  a.lr_schedule, cfg.model.dtype, device, checkpointing=a.activation_checkpointing,
+                                  a.lr_schedule, cfg.model.dtype, device, **memory.settings(cfg),
                                   sp=a.sp, compile_layers=a.compile_layers, share_prompts=a.share_prompts,
                                   lora=lora.lora_config(a.lora_rank, a.lora_alpha, a.lora_targets)
                                   if a.lora_rank else None, seed=cfg.trainer.seed)
         self.model_path = model_path
+        self.longest = longest_row(cfg) * (2 if cfg.algorithm.name == "dpo" else 1)  # DPO: a pair side by side
         self.weight_version = 0
         # a LoRA policy is its own reference (the base): when the run has a KL term or is DPO
         self.own_reference = bool(a.lora_rank) and (cfg.algorithm.name == "dpo" or bool(
@@ -71,6 +72,7 @@ class Policy:
         (detached) and the mismatch metrics, and this forward is skipped."""
         start = time.perf_counter()
         a = self.cfg.actor
+        self.engine.fit(self.longest)
         self._reference(batch)
         if a.ppo_epochs == 1 and a.mini_batch_prompts == self.cfg.data.prompts_per_step and \
                 not self.cfg.algorithm.kl_in_reward:
@@ -93,7 +95,7 @@ class Policy:
         ids, mask, pos = rows.sequences()
         out, _ = response_logprobs(
             self.engine.root, ids, mask, pos, rows.response_ids, self.cfg.rollout.temperature,
-            a.micro_batch_tokens_per_gpu, pack=a.pack_sequences, group_size=rows.group_size if a.share_prompts else 0)
+            self.engine.micro_tokens, pack=a.pack_sequences, group_size=rows.group_size if a.share_prompts else 0)
         first = sum(len(m) for m in members[:me])
         return out[first:first + len(batch), :batch.response_ids.shape[1]]  # responses: right-padded
 
@@ -117,6 +119,7 @@ class Policy:
                                f"but the policy holds version {self.weight_version}; this pipeline trains on batches "
                                f"at most {loss.max_staleness} versions old, so the rollout engine must get every "
                                "update in time")
+        plan = self.engine.fit(self.longest)
         self._reference(batch)
         steps = self.engine.steps
         metrics = loss.update(self.engine, batch)
@@ -124,6 +127,8 @@ class Policy:
             self.weight_version += 1
         batch.timing["update_actor"] = time.perf_counter() - start
         peak_memory("update_actor", metrics)
+        metrics["actor/micro_batch_tokens"] = plan.tokens
+        metrics["actor/activation_checkpointing"] = float(plan.checkpointing)
         metrics["actor/skipped_steps"] = self.engine.skipped_steps
         metrics["actor/consecutive_skipped_steps"] = self.engine.consecutive_skips
         if not batch.scores.numel():
@@ -137,6 +142,7 @@ class Policy:
     def evaluate(self, batch: Batch, loss: Evaluated) -> Update:
         """`loss`'s metrics of the current weights on `batch`, without a step."""
         start = time.perf_counter()
+        self.engine.fit(self.longest)
         self._reference(batch)
         metrics = loss.evaluate(self.engine, batch)
         batch.timing["evaluate"] = time.perf_counter() - start

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from rlflow.engine.batch import Batch
 from rlflow.engine.config import Config
 from rlflow.engine.tensors import peak_memory
+from rlflow.engine.train import memory
 from rlflow.engine.train.fsdp import DTYPES, attn_implementation, response_logprobs
 
 
@@ -31,7 +32,7 @@ class Reference:
         ids, mask, pos = batch.sequences()
         batch.ref_logprobs, _ = response_logprobs(
             self.model, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
-            self.cfg.actor.micro_batch_tokens_per_gpu, pack=self.cfg.actor.pack_sequences)
+            memory.forward_tokens(self.cfg), pack=self.cfg.actor.pack_sequences)
         batch.timing["ref"] = time.perf_counter() - start
         peak_memory("ref", batch.metrics)
         return batch

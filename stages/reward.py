@@ -18,6 +18,7 @@ from rlflow.engine.batch import Batch
 from rlflow.engine.config import Config
 from rlflow.engine.data.reward_model import RewardModel
 from rlflow.engine.data.rewards import RewardFunction
+from rlflow.engine.train import memory
 
 
 class Reward:
@@ -27,7 +28,7 @@ class Reward:
         if cfg.rollout.env and not rw.function:  # the environment's rewards, and no built-in scorer
             self.rule_weight = 0.0
         self.fn = RewardFunction(rw.function, rw.on_error, rw.timeout_s) if self.rule_weight else None
-        self.model = (RewardModel(rw.model, cfg.model.dtype, device, cfg.actor.micro_batch_tokens_per_gpu)
+        self.model = (RewardModel(rw.model, cfg.model.dtype, device, memory.forward_tokens(cfg))
                       if self.model_weight else None)
 
     def score(self, batch: Batch) -> Batch:

@@ -33,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from functools import partial
@@ -58,12 +59,14 @@ from transformers.utils import is_flash_attn_2_available
 
 from rlflow.engine import algos, progress
 from rlflow.engine.checkpoint import load_shards
+from rlflow.engine.config import CPU_MICRO_BATCH_TOKENS
 from rlflow.engine.tensors import consecutive_group, fused, to_device
-from rlflow.engine.train import ulysses, varlen
+from rlflow.engine.train import memory, ulysses, varlen
 from rlflow.engine.train.batching import micro_batches
 from rlflow.engine.train.lora import LoraConfig, add_adapters
 from rlflow.engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
 
@@ -300,12 +303,15 @@ class TrainEngine:
 
     def __init__(self, model_path: str, lr: float, weight_decay: float, grad_clip: float,
                  warmup_steps: int, total_steps: int, schedule: str, dtype: str, device: str,
-                 root: Any = None, checkpointing: bool = False, model_cls: Any = AutoModelForCausalLM,
+                 root: Any = None, checkpointing: bool | None = False, model_cls: Any = AutoModelForCausalLM,
                  sp: int = 1, compile_layers: bool = False, share_prompts: bool = False,
-                 lora: LoraConfig | None = None, seed: int = 0, **model_kwargs: Any) -> None:
+                 lora: LoraConfig | None = None, seed: int = 0, micro_tokens: int = 0, share: int = 1,
+                 **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
         (default `ResponseLM`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
-        decoder layer's activations in backward instead of keeping them; `sp` > 1 runs the ResponseLM's
+        decoder layer's activations in backward instead of keeping them; `micro_tokens` is a
+        micro-batch's token budget; with 0 for it, or None for `checkpointing`, `fit` plans them from
+        the device's free memory, of which this trainer takes a `share`-th; `sp` > 1 runs the ResponseLM's
         forwards sequence-parallel over groups of `sp` consecutive ranks, which must pass the same rows;
         `share_prompts` picks the attention that shared-prompt forwards need (`attn_implementation`);
         `lora` trains PEFT adapters (engine/train/lora.py, drawn from `seed`) on a frozen base kept in `dtype`: nothing
@@ -326,6 +332,8 @@ class TrainEngine:
             ulysses.check_heads(self.model.config, sp)
         self.model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         self.model.train()
+        self.planned: memory.Plan | None = None
+        self._wanted = (micro_tokens, checkpointing, share)
         if checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if compile_layers:  # each decoder layer through inductor (its norms, RoPE and gating fused); token
@@ -355,6 +363,45 @@ class TrainEngine:
         # object per call) -> its pinned CPU copy
         self._host: dict[torch.Tensor, torch.Tensor] = {}
         self._offloaded = False
+
+    def fit(self, longest: int) -> memory.Plan:
+        """The micro-batch budget and checkpointing, planned at the first call (engine/train/memory.py)
+        where the constructor left them open, and logged; rows of up to `longest` tokens. On the
+        CPU, or with both given, they are the given ones (and on a GPU a plan that says they will
+        not fit is logged as a warning). Collective with more ranks: all plan from the least free
+        memory, so they agree."""
+        if self.planned is not None:
+            return self.planned
+        tokens, checkpointing, share = self._wanted
+        model = memory.Model.of(self.model.config, lora=self.lora is not None,
+                                head=1 if not isinstance(self.root, ResponseLM) else 0)
+        if self.device.type != "cuda":  # memory is seldom short, and cannot be read the same way
+            self.planned = memory.Plan(tokens or max(CPU_MICRO_BATCH_TOKENS, longest), bool(checkpointing), 0.0, 0.0)
+            return self.planned
+        free = torch.tensor([memory.free_bytes(self.device)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        keep = memory.headroom(self.device)
+        mine = (int(free.item()) - keep) // share + keep  # trainers sharing the device split what is free
+        try:
+            self.planned = memory.plan(model, self, mine, keep, longest, tokens, checkpointing,
+                                       states_allocated=bool(self.optimizer.state))
+        except memory.DoesNotFit as e:
+            if not tokens or checkpointing is None:
+                raise
+            log.warning("actor.micro_batch_tokens_per_gpu=%d with activation checkpointing %s may run out of "
+                        "memory: %s", tokens, "on" if checkpointing else "off", e)
+            self.planned = memory.Plan(tokens, checkpointing, free.item() / memory.GIB, 0.0)
+        if self.planned.checkpointing and not checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        log.warning("trainer: %s", self.planned.line())
+        return self.planned
+
+    @property
+    def micro_tokens(self) -> int:
+        """A micro-batch's token budget, once `fit` planned it."""
+        if self.planned is None:
+            raise RuntimeError("TrainEngine.fit(longest) plans the micro-batches before the first forward")
+        return self.planned.tokens
 
     def step(self, micro_losses: list[Callable[[], torch.Tensor]]) -> dict[str, float]:
         """One optimizer step over a mini-batch: each micro-batch's loss computed and backwarded in

@@ -61,6 +61,11 @@ class Evaluated(Loss, Protocol):
         ...
 
 
+def budget(configured: int, trainer: TrainEngine) -> int:
+    """A micro-batch's token budget: the configured one, or on auto the trainer's plan."""
+    return configured if configured > 0 else trainer.micro_tokens
+
+
 def no_step(root: ResponseLM, micro: list[Micro]) -> float:
     """The sum of micro-batch losses, without gradients; as many forwards as every other rank runs."""
     total = 0.0
@@ -106,14 +111,14 @@ class PolicyGradient:
                 # an SP group's mini-batch: each member's rows of it (members hold equally many)
                 mini = batch.rows(slice(lo, lo + rows)) if len(members) == 1 else \
                     Batch.cat([m.rows(slice(lo, lo + rows)) for m in members])
-                out = trainer.step(self._micro_losses(trainer.root, mini, stats))
+                out = trainer.step(self._micro_losses(trainer, mini, stats))
                 for k in ("grad_norm", "lr"):
                     stats.setdefault(f"actor/{k}", []).append(out[k])
                 stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(out["loss"]))
         return step_metrics(stats)
 
-    def _micro_losses(self, root: ResponseLM, mini: Batch, stats: dict[str, list]) -> list[Micro]:
-        a = self.actor
+    def _micro_losses(self, trainer: TrainEngine, mini: Batch, stats: dict[str, list]) -> list[Micro]:
+        a, root = self.actor, trainer.root
         ids, attn, pos = mini.sequences()
         # the response tokens this rank's loss covers: all, or with SP its slice's; so the all-rank
         # token count below counts each token once (a row once: sp ranks hold it)
@@ -122,7 +127,8 @@ class PolicyGradient:
         denom = all_reduce_sum(float(len(mini)) / a.sp if seq_mode else float(mask.sum()))
         prompt_width = attn.shape[1] - mini.response_ids.shape[1] if a.share_prompts else 0
         return [partial(self._loss, root, mini, r, ids, attn, pos, mask, denom, stats)
-                for r in micro_batches(attn, a.micro_batch_tokens_per_gpu, a.pack_sequences, mini.group_size,
+                for r in micro_batches(attn, budget(a.micro_batch_tokens_per_gpu, trainer), a.pack_sequences,
+                                       mini.group_size,
                                        prompt_width)]
 
     def _loss(self, root: ResponseLM, mini: Batch, r: torch.Tensor, ids, attn, pos, owned: torch.Tensor, denom: float,
@@ -198,13 +204,14 @@ class Supervised:
         self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, cfg.actor.pack_sequences
 
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
-        out = trainer.step(self._micro_losses(trainer.root, batch))
+        out = trainer.step(self._micro_losses(trainer, batch))
         return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"]}
 
     def evaluate(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
-        return {"sft/loss": all_reduce_sum(no_step(trainer.root, self._micro_losses(trainer.root, batch)))}
+        return {"sft/loss": all_reduce_sum(no_step(trainer.root, self._micro_losses(trainer, batch)))}
 
-    def _micro_losses(self, root: ResponseLM, batch: Batch) -> list[Micro]:
+    def _micro_losses(self, trainer: TrainEngine, batch: Batch) -> list[Micro]:
+        root = trainer.root
         ids, attn, pos = batch.sequences()
         denom = all_reduce_sum(float(batch.loss_mask.sum()))
 
@@ -213,7 +220,7 @@ class Supervised:
                                        entropy=False)
             return -(logp * batch.loss_mask[r].to(logp.device)).sum() / denom
 
-        return [partial(loss, r) for r in micro_batches(attn, self.budget, self.pack)]
+        return [partial(loss, r) for r in micro_batches(attn, budget(self.budget, trainer), self.pack)]
 
 
 DPO_NAMES = {"rewards/chosen": "chosen_reward", "rewards/rejected": "rejected_reward",
@@ -236,14 +243,14 @@ class Preference:
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         rows = 2 * (self.pairs_per_step // self.workers)
         sums: dict[str, float] = {}
-        outs = [trainer.step(self._micro_losses(trainer.root, batch.rows(slice(lo, lo + rows)), sums))
+        outs = [trainer.step(self._micro_losses(trainer, batch.rows(slice(lo, lo + rows)), sums))
                 for lo in range(0, len(batch), rows)]
         return {**self._means(sums, len(batch) // 2), "dpo/grad_norm": float(np.mean([o["grad_norm"] for o in outs])),
                 "dpo/lr": outs[-1]["lr"]}
 
     def evaluate(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         sums: dict[str, float] = {}
-        no_step(trainer.root, self._micro_losses(trainer.root, batch, sums))
+        no_step(trainer.root, self._micro_losses(trainer, batch, sums))
         return self._means(sums, len(batch) // 2)
 
     def _means(self, sums: dict[str, float], pairs: int) -> dict[str, float]:
@@ -251,12 +258,13 @@ class Preference:
         *totals, every = all_reduce_sums([*sums.values(), float(pairs)])
         return {f"dpo/{k}": v / every for k, v in zip(sums, totals)}
 
-    def _micro_losses(self, root: ResponseLM, mini: Batch, sums: dict[str, float]) -> list[Micro]:
+    def _micro_losses(self, trainer: TrainEngine, mini: Batch, sums: dict[str, float]) -> list[Micro]:
+        root = trainer.root
         ids, attn, pos = mini.sequences()  # [2b, L]
         pairs = len(mini) // 2
         denom = all_reduce_sum(float(pairs))  # the loss is a mean over every rank's pairs
         # micro-batches of whole pairs: a pair's two rows side by side make one [b, 2L] row
-        chunks = micro_batches(attn.reshape(pairs, -1), self.budget, self.pack)
+        chunks = micro_batches(attn.reshape(pairs, -1), budget(self.budget, trainer), self.pack)
         return [partial(self._loss, root, mini, torch.stack([2 * c, 2 * c + 1], 1).flatten(), ids, attn, pos,
                         denom, sums) for c in chunks]
 
