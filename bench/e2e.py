@@ -5,13 +5,15 @@
     python bench/e2e.py --shape tiny --prompts 4 --samples 2 --prompt-len 16 --new 8 --steps 3 --warmup 1  # CPU smoke
 
 One step, in both frameworks: `--prompts` prompts x `--samples` samples at temperature 1, in one of
-two shapes of work (`--lengths`):
+three shapes of work (`--lengths`):
 - `fixed`: each prompt exactly `--prompt-len` tokens and each completion exactly `--new` tokens
   (the EOS token lies outside the model's vocabulary, so it is never sampled);
 - `mix`: real work's shape (bench/length_mix.py): prompt lengths drawn log-normally up to
   `--prompt-len`, and each answer ending (EOS inside the vocabulary) at a length drawn per prompt
   and sample up to `--new`, forced the same way in both frameworks; the bench checks that each
-  logged the drawn prompt and answer tokens.
+  logged the drawn prompt and answer tokens;
+- `reasoning`: the same, with reasoning RL's answers (a median near 500 tokens, a longer tail;
+  `--new 2048` caps them as the reasoning shape of docs/benchmarks.md does).
 Each is scored by the one reward in
 `bench/e2e_reward.py`, group-normalised advantages, one PPO epoch in one mini-batch (one optimizer
 step per generation batch), token-mean PPO-clip loss (TRL's `dapo`), no KL and no reference model
@@ -64,7 +66,7 @@ from typing import Any
 
 import torch
 import yaml
-from length_mix import Mix, answer_length, hook_dir, mean_answer, prompt_lengths
+from length_mix import Mix, answer_length, hook_dir, mean_answer, prompt_lengths, reasoning_mix
 from shapes import QWEN25, TINY  # bench/shapes.py: bench/ is sys.path[0] when a script here runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,7 +267,10 @@ def rlflow_conf(args: argparse.Namespace, cuda: bool, model: Path, train: Path, 
     return conf
 
 
-def micro_tokens(args: argparse.Namespace) -> int:
+def micro_tokens(args: argparse.Namespace) -> int | str:
+    """actor.micro_batch_tokens_per_gpu: auto (the trainer plans it from free memory) unless given."""
+    if not args.rlflow_micro_tokens:
+        return "auto"
     return max(args.rlflow_micro_tokens, args.prompt_len + args.new)  # rlflow needs room for one sequence
 
 
@@ -345,7 +350,11 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
     out.update(busy=peak.busy(first, ends[args.steps]),  # each GPU's, over the timed steps
                staleness=statistics.median(m["async/staleness/mean"][i] for i in steady)
                if "async/staleness/mean" in m else 0.0)
-    out.update(framework="rlflow", mode=name, micro_batch=f"{micro_tokens(args)} tokens",
+    planned = m.get("actor/micro_batch_tokens", {})
+    ckpt = " ckpt" if max(m.get("actor/activation_checkpointing", {0: 0}).values()) else ""
+    micro = f"{int(max(planned.values()))}{ckpt} (planned)" if planned and micro_tokens(args) == "auto" else \
+        f"{micro_tokens(args)}{ckpt}"
+    out.update(framework="rlflow", mode=name, micro_batch=f"{micro} tokens",
                peak_gib=peak.gib, alloc_gib=max(logged) if logged else None, settings=settings,
                phase_alloc_gib={k.rpartition("/")[2]: max(v.values()) for k, v in m.items()
                                 if k.startswith("perf/max_memory_allocated_gb/")},
@@ -441,7 +450,8 @@ def table(rows: list[dict]) -> str:
 
 def bench_shape(shape: str, lengths: str, args: argparse.Namespace, cuda: bool) -> list[dict]:
     dtype = torch.bfloat16 if cuda else torch.float32
-    args = argparse.Namespace(**vars(args), mix=Mix(args.seed, args.new) if lengths == "mix" else None)
+    mixes = {"mix": Mix(args.seed, args.new), "reasoning": reasoning_mix(args.seed, args.new)}
+    args = argparse.Namespace(**vars(args), mix=mixes.get(lengths))
     with tempfile.TemporaryDirectory(prefix=f"e2e_{shape}_") as tmp:
         work = Path(tmp)
         model, train, val = build_inputs(work, shape, args, dtype, "cuda" if cuda and args.init_on_gpu else "cpu")
@@ -477,14 +487,15 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8, help="samples per prompt")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new", type=int, default=256, help="tokens per completion (EOS never sampled); the mix's cap")
-    ap.add_argument("--lengths", default="fixed", help="comma list of fixed | mix (bench/length_mix.py)")
+    ap.add_argument("--lengths", default="fixed",
+                    help="comma list of fixed | mix | reasoning (bench/length_mix.py)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rlflow-micro-tokens", type=int, default=32768,
-                    help="rlflow actor.micro_batch_tokens_per_gpu; the default is the tokens of TRL's "
-                         "64-sequence micro-batch (64 x 512)")
+    ap.add_argument("--rlflow-micro-tokens", type=int, default=0,
+                    help="rlflow actor.micro_batch_tokens_per_gpu; 0 = auto, planned by the trainer from the "
+                         "GPU's free memory (the earlier fixed default was 32768, TRL's 64 x 512)")
     ap.add_argument("--rlflow-set", action="append", metavar="SECTION.KEY=VALUE",
                     help="an rlflow config setting for its job, e.g. actor.compile_layers=true (repeatable)")
     ap.add_argument("--variant", action="append", metavar="NAME[:SETTINGS]",
@@ -507,7 +518,8 @@ def main() -> None:
         or [("compiled DAG", [])]  # no --variant: one job with the bench's settings
     if len({name for name, _ in args.variants}) != len(args.variants) or any(not n for n, _ in args.variants):
         raise SystemExit(f"--variant names must be given and differ: {[n for n, _ in args.variants]}")
-    unknown = set(shapes) - set(SHAPES) | set(args.trl_modes) - set(TRL_MODES) | set(args.lengths) - {"fixed", "mix"}
+    unknown = set(shapes) - set(SHAPES) | set(args.trl_modes) - set(TRL_MODES) | \
+        set(args.lengths) - {"fixed", "mix", "reasoning"}
     if unknown:
         raise SystemExit(f"unknown shape or TRL mode: {sorted(unknown)}")
     if args.steps <= args.warmup:
@@ -515,7 +527,7 @@ def main() -> None:
     if args.trl_modes and importlib.util.find_spec("trl") is None:  # before the rlflow jobs, not after them
         raise SystemExit("TRL is not installed: pip install -e '.[bench]', or --trl-modes '' for rlflow alone")
     cuda = torch.cuda.is_available()
-    if "mix" in args.lengths and "cb" in args.trl_modes:
+    if {"mix", "reasoning"} & set(args.lengths) and "cb" in args.trl_modes:
         raise SystemExit("TRL's cb mode (generate_batch) takes no logits processor: the mix cannot force its ends")
     rows = [r for shape in shapes for lengths in args.lengths for r in bench_shape(shape, lengths, args, cuda)]
     print("\n" + table(rows))

@@ -17,7 +17,8 @@ size); the bench checks the lengths each one logged against the draws.
 Lengths are log-normal, clipped to a floor and the cap: prompts with a median of 0.4 x the cap
 (meant as a GSM8K question in a short instruction: at `--prompt-len 256`, a median of 102 tokens
 and nine in ten between 50 and 250), answers with a median of 0.45 x the cap (about one in twenty
-reaches it, so the longest answer holds a step, as it does in real GRPO batches).
+reaches it, so the longest answer holds a step, as it does in real GRPO batches). The `reasoning`
+mix (`reasoning_mix`) draws reasoning RL's answers: a median near 500 tokens, a longer tail.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ class Mix:
     new: int  # the cap of answer lengths: rollout.max_new_tokens, TRL's max_completion_length
     median: float = 0.45  # of answer lengths, as a share of the cap
     sigma: float = 0.5
+
+
+REASONING_MEDIAN = 500  # tokens: the median answer of reasoning RL's long-tailed lengths
+
+
+def reasoning_mix(seed: int, new: int) -> Mix:
+    """Reasoning RL's answers: a median near REASONING_MEDIAN tokens and a long tail (sigma 0.8: at a
+    cap of 2,048 about one answer in twenty-five reaches it)."""
+    return Mix(seed, new, median=min(0.45, REASONING_MEDIAN / new), sigma=0.8)
 
 
 def lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
