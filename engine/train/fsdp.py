@@ -64,11 +64,11 @@ from rlflow.engine.tensors import consecutive_group, fused, to_device
 from rlflow.engine.train import memory, ulysses, varlen
 from rlflow.engine.train.batching import micro_batches
 from rlflow.engine.train.lora import LoraConfig, add_adapters
+from rlflow.engine.train.memory import LOGITS_CHUNK_TOKENS
 from rlflow.engine.train.shared_prompts import pad_to_blocks, shared_prompt_mask, shared_prompt_row
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-LOGITS_CHUNK_TOKENS = 1024  # lm_head rows per chunk: ~0.6 GB of fp32 logits at a 152k vocab
 
 
 def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:

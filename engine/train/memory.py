@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 GIB = 2**30
 MOST_TOKENS = 32768  # a larger micro-batch runs no faster: the matmuls are already full
 LEAST_UNCHECKPOINTED = 8192  # below this many tokens a micro-batch recomputes layers instead
+LOGITS_CHUNK_TOKENS = 1024  # lm_head rows at a time: ~0.6 GB of fp32 logits at a 152k vocab
 NO_GRAD_TOKENS = 16384  # a no-grad forward's budget on auto: only one layer's activations live at a time
 LOGITS_BYTES = 18  # per logit of a chunk: bf16 logits, float32 scaled copy, log-softmax, softmax, gradient
 
@@ -85,8 +86,6 @@ def step_bytes(model: Model, engine: Any, tokens: int, checkpointing: bool, stat
     (float32) and the weights gathered in the compute dtype (all of them on one rank, which keeps
     them gathered through a step; else two units at a time); the optimizer's state too before the
     first step has made it."""
-    from rlflow.engine.train.fsdp import LOGITS_CHUNK_TOKENS
-
     params = list(engine.root.parameters())
     local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
     trained = sum(shard.numel() for p, shard in zip(params, local) if p.requires_grad)
@@ -155,10 +154,10 @@ def settings(cfg: Any) -> dict[str, Any]:
     """A trainer's (policy's or critic's) TrainEngine arguments of the config: the micro-batch
     budget (0: planned), checkpointing (None: planned), and how many trainers split the device's
     free memory (two where the critic shares the policy's GPUs)."""
-    from rlflow.engine.config import switch
+    from rlflow.engine.config import estimator_of, switch
 
     a = cfg.actor
-    critic_beside = cfg.algorithm.advantage == "gae" and "critic" not in cfg.placement.own_pool
+    critic_beside = estimator_of(cfg.algorithm.advantage).critic and "critic" not in cfg.placement.own_pool
     return dict(micro_tokens=max(0, a.micro_batch_tokens_per_gpu), checkpointing=switch(a.activation_checkpointing),
                 share=2 if critic_beside else 1)
 
