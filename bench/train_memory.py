@@ -15,6 +15,7 @@ was allocated before the step, the planner's estimate of the same, and their rat
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -38,7 +39,8 @@ def probe(path: Path, args: argparse.Namespace, checkpointing: bool) -> None:
     for tokens in args.tokens:
         seqs = max(1, tokens // args.seq)
         b = make_batch(seqs, (args.seq // 4, args.seq // 4), (args.seq - args.seq // 4,) * 2, model.vocab, 0)
-        for _ in range(2):  # the first step allocates gradients and the optimizer state
+        for _ in range(2):  # the first step allocates the optimizer state
+            engine.optimizer.zero_grad(set_to_none=True)  # as between a pipeline's steps: gradients are the step's
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
@@ -52,6 +54,7 @@ def probe(path: Path, args: argparse.Namespace, checkpointing: bool) -> None:
               f"estimate +{est / 2**30:.2f} GiB, measured/estimate {peak / est:.2f}, "
               f"per token {peak / real / 2**20:.3f} MiB", flush=True)
     del engine
+    gc.collect()  # FSDP's hooks hold the engine in cycles
     torch.cuda.empty_cache()
 
 
