@@ -382,15 +382,16 @@ class TrainEngine:
         dist.all_reduce(free, op=dist.ReduceOp.MIN)
         keep = memory.headroom(self.device)
         mine = (int(free.item()) - keep) // share + keep  # trainers sharing the device split what is free
+        states = bool(self.optimizer.state)
         try:
-            self.planned = memory.plan(model, self, mine, keep, longest, tokens, checkpointing,
-                                       states_allocated=bool(self.optimizer.state))
+            self.planned = memory.plan(model, self, mine, keep, longest, tokens, checkpointing, states)
         except memory.DoesNotFit as e:
             if not tokens or checkpointing is None:
                 raise
             log.warning("actor.micro_batch_tokens_per_gpu=%d with activation checkpointing %s may run out of "
                         "memory: %s", tokens, "on" if checkpointing else "off", e)
-            self.planned = memory.Plan(tokens, checkpointing, free.item() / memory.GIB, 0.0)
+            step = memory.step_bytes(model, self, tokens, checkpointing, states)
+            self.planned = memory.Plan(tokens, checkpointing, mine / memory.GIB, step / memory.GIB)
         if self.planned.checkpointing and not checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         log.warning("trainer: %s", self.planned.line())

@@ -128,8 +128,7 @@ class PolicyGradient:
         prompt_width = attn.shape[1] - mini.response_ids.shape[1] if a.share_prompts else 0
         return [partial(self._loss, root, mini, r, ids, attn, pos, mask, denom, stats)
                 for r in micro_batches(attn, budget(a.micro_batch_tokens_per_gpu, trainer), a.pack_sequences,
-                                       mini.group_size,
-                                       prompt_width)]
+                                       mini.group_size, prompt_width)]
 
     def _loss(self, root: ResponseLM, mini: Batch, r: torch.Tensor, ids, attn, pos, owned: torch.Tensor, denom: float,
               stats) -> torch.Tensor:
