@@ -36,8 +36,9 @@ from rlflow.stages.reward import Reward
 
 
 class Ahead:
-    def __init__(self, cfg: Config, model_path: str) -> None:
-        self.cfg, self.model_path, self.k = cfg, model_path, cfg.trainer.max_staleness
+    def __init__(self, cfg: Config, model_path: str, tracker: Any = None) -> None:
+        """`tracker`: the run's, which keeps a lost pool's hang report (`hang/rollout_<n>`)."""
+        self.cfg, self.model_path, self.k, self.tracker = cfg, model_path, cfg.trainer.max_staleness, tracker
         self.queued: deque[list[Any]] = deque()  # batches generating (refs, one per rank), a step's each
         self.rebuilds = 0  # rollout pools replaced while training went on
 
@@ -90,7 +91,8 @@ class Ahead:
             raise e
         self.rebuilds += 1
         why = hangs.lost(how_lost(e, self.cfg.trainer.step_timeout_s), [p for p in stages.pools if p.name == "rollout"],
-                         stages.groups(), Path(self.cfg.trainer.output_dir) / "hang" / f"rollout_{self.rebuilds}")
+                         stages.groups(), Path(self.cfg.trainer.output_dir) / "hang" / f"rollout_{self.rebuilds}",
+                         self.tracker)
         print(f"rlflow: a rollout worker {why} ({type(e).__name__})")
         print(f"rlflow: new rollout pool {self.rebuilds}/{limit}, training goes on")
         self.queued.clear()

@@ -190,13 +190,13 @@ def merge(results: list[Update], seconds: float, workers: int) -> dict[str, floa
 class GRPO:
     """GRPO and its relatives, and PPO with a critic, for the driver loop (pipelines/driver.py)."""
 
-    def __init__(self, cfg: Config, model_path: str, val_prompts: list[Prompt]) -> None:
+    def __init__(self, cfg: Config, model_path: str, val_prompts: list[Prompt], tracker: Tracker | None = None) -> None:
         self.cfg, self.model_path, self.val_prompts = cfg, model_path, val_prompts
         self.tries = cfg.algorithm.dynamic_sampling_tries  # > 0: the driver generates and filters before the graph
         self.loss = PolicyGradient(cfg)
         self.greedy_baseline = estimator_of(cfg.algorithm.advantage).greedy_baseline  # a scored greedy answer too
         # the coming steps' batches generating during this one's update (trainer.max_staleness > 0)
-        self.ahead = Ahead(cfg, model_path) if cfg.trainer.max_staleness else None
+        self.ahead = Ahead(cfg, model_path, tracker) if cfg.trainer.max_staleness else None
 
     def graph(self, stages: Stages, inputs: list[Any]) -> tuple[list[Any], list[Any]]:
         return step_graph(stages, inputs, self.loss, sampled=self.tries > 0 or self.ahead is not None,
@@ -253,4 +253,5 @@ def train(cfg: Config, model_path: str, files: dict[str, list[str]], tracker: Tr
     val_prompts, _ = load_prompts(files["val"], tokenizer, cfg.data.max_prompt_tokens, cfg.data.overlong_prompts, tools)
     tracker.log_metrics({f"data/{k}": v for k, v in counts.items()}, step=0)
     loader = PromptLoader(train_prompts, cfg.data.prompts_per_step, cfg.trainer.seed)
-    return driver.run(cfg, GRPO(cfg, model_path, val_prompts[:cfg.data.val_max_prompts or None]), loader, tracker)
+    return driver.run(cfg, GRPO(cfg, model_path, val_prompts[:cfg.data.val_max_prompts or None], tracker), loader,
+                      tracker)

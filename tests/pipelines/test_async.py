@@ -99,3 +99,5 @@ def test_async_replaces_a_lost_rollout_worker_while_training_goes_on(tmp_path, f
     assert [s for s, _ in got["actor/pg_loss"]] == [1, 2, 3, 4, 5, 6]
     rebuilt = next(s for s, n in got["async/rollout_rebuilds"] if n == 1.0)
     assert dict(got["async/staleness/max"])[rebuilt] == 0.0  # regenerated from the trainer's weights of that step
+    if fault == "hangs":  # what the stuck worker was doing, kept with the run
+        assert [a.path for a in client.list_artifacts(run.info.run_id, "hang")] == ["hang/rollout_1"]
