@@ -59,7 +59,6 @@ from transformers.utils import is_flash_attn_2_available
 
 from rlflow.engine import algos, progress
 from rlflow.engine.checkpoint import load_shards
-from rlflow.engine.config import CPU_MICRO_BATCH_TOKENS
 from rlflow.engine.tensors import consecutive_group, fused, to_device
 from rlflow.engine.train import memory, ulysses, varlen
 from rlflow.engine.train.batching import micro_batches
@@ -367,7 +366,7 @@ class TrainEngine:
     def fit(self, longest: int) -> memory.Plan:
         """The micro-batch budget and checkpointing, planned at the first call (engine/train/memory.py)
         where the constructor left them open, and logged; rows of up to `longest` tokens. On the
-        CPU, or with both given, they are the given ones (and on a GPU a plan that says they will
+        CPU, or with both given on a GPU, they are the given ones (and on a GPU a plan that says they will
         not fit is logged as a warning). Collective with more ranks: all plan from the least free
         memory, so they agree."""
         if self.planned is not None:
@@ -375,8 +374,10 @@ class TrainEngine:
         tokens, checkpointing, share = self._wanted
         model = memory.Model.of(self.model.config, lora=self.lora is not None,
                                 head=1 if not isinstance(self.root, ResponseLM) else 0)
-        if self.device.type != "cuda":  # memory is seldom short, and cannot be read the same way
-            self.planned = memory.Plan(tokens or max(CPU_MICRO_BATCH_TOKENS, longest), bool(checkpointing), 0.0, 0.0)
+        if self.device.type != "cuda":  # the config resolved auto to the CPU's settings (engine/config.py)
+            if not tokens:
+                raise ValueError("on the CPU a TrainEngine takes its micro-batch budget as given (micro_tokens > 0)")
+            self.planned = memory.Plan(tokens, bool(checkpointing), 0.0, 0.0)
             return self.planned
         free = torch.tensor([memory.free_bytes(self.device)], dtype=torch.float64, device=self.device)
         dist.all_reduce(free, op=dist.ReduceOp.MIN)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from rlflow.engine.config import estimator_of, longest_row, switch
+
 GIB = 2**30
 MOST_TOKENS = 32768  # a larger micro-batch runs no faster: the matmuls are already full
 LEAST_UNCHECKPOINTED = 8192  # below this many tokens a micro-batch recomputes layers instead
@@ -155,8 +157,6 @@ def settings(cfg: Any) -> dict[str, Any]:
     """A trainer's (policy's or critic's) TrainEngine arguments of the config: the micro-batch
     budget (0: planned), checkpointing (None: planned), and how many trainers split the device's
     free memory (two where the critic shares the policy's GPUs)."""
-    from rlflow.engine.config import estimator_of, switch
-
     a = cfg.actor
     critic_beside = estimator_of(cfg.algorithm.advantage).critic and "critic" not in cfg.placement.own_pool
     return dict(micro_tokens=max(0, a.micro_batch_tokens_per_gpu), checkpointing=switch(a.activation_checkpointing),
@@ -166,7 +166,5 @@ def settings(cfg: Any) -> dict[str, Any]:
 def forward_tokens(cfg: Any) -> int:
     """A no-grad forward's token budget (the reference, a reward model): the configured one, or on
     auto the longest row and at least NO_GRAD_TOKENS; its activations live one layer at a time."""
-    from rlflow.engine.config import longest_row
-
     return cfg.actor.micro_batch_tokens_per_gpu if cfg.actor.micro_batch_tokens_per_gpu > 0 else \
         max(longest_row(cfg), NO_GRAD_TOKENS)
