@@ -134,9 +134,9 @@ def measure(engine: Any, tp: Any, args: argparse.Namespace, world: int, train_pe
     for _ in range(args.repeats):
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        before = rollout.graphs and next(iter(rollout.graphs.captured.values()))
+        before = rollout.runner.graphs and next(iter(rollout.runner.graphs.captured.values()))
         down.append(timed(to_generation, device))
-        kept += bool(before) and next(iter(rollout.graphs.captured.values())) is before
+        kept += bool(before) and next(iter(rollout.runner.graphs.captured.values())) is before
         peak = max(peak, peak_gb(device))
         up.append(timed(to_training, device))
     rollout.resume_memory()

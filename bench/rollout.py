@@ -154,11 +154,11 @@ def logprob_gap(native: NativeRollout, hf_model, prompts: list[list[int]], new: 
 def profile(native: NativeRollout, mid_len: int) -> None:
     """Where decode's GPU time goes: the kernels of one CUDA-graph replay at full rows, every row
     `mid_len` tokens in (a graph that samples moves that on by one a replay)."""
-    if not native.graphs:
+    if not native.runner.graphs:
         return
-    rows = native.max_slots
-    graph = native.graphs.captured.get((rows, True)) or native.graphs.captured[(rows, False)]
-    native._kv_lens.fill_(mid_len)  # every row live, halfway through its response
+    rows = native.runner.max_slots
+    graph = native.runner.graphs.captured.get((rows, True)) or native.runner.graphs.captured[(rows, False)]
+    native.runner.kv_lens.fill_(mid_len)  # every row live, halfway through its response
     sync()
     start = time.perf_counter()
     for _ in range(50):
@@ -172,23 +172,23 @@ def profile(native: NativeRollout, mid_len: int) -> None:
         sync()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
     rows_cost(native, mid_len)
-    native._kv_lens.zero_()
+    native.runner.kv_lens.zero_()
 
 
 def rows_cost(native: NativeRollout, kv: int) -> None:
     """A decode step's time at each captured row count, every live row `kv` tokens in: a least-squares
     fit of a fixed part (what a step costs at any row count) plus a part per row; and how many
     kernels one replay at a single row runs, their busy time and the gaps between them."""
-    sampled = any(s for _, s in native.graphs.captured)
+    sampled = any(s for _, s in native.runner.graphs.captured)
     times = {}
-    for rows in native.row_sizes:
-        graph = native.graphs.captured[(rows, sampled)]
+    for rows in native.runner.row_sizes:
+        graph = native.runner.graphs.captured[(rows, sampled)]
         runs = []
         for _ in range(3):
             sync()
             start = time.perf_counter()
             for _ in range(20):
-                native._kv_lens[:rows] = kv  # a sampling replay moves each row on by one
+                native.runner.kv_lens[:rows] = kv  # a sampling replay moves each row on by one
                 graph.replay()
             sync()
             runs.append((time.perf_counter() - start) / 20 * 1e3)
@@ -196,12 +196,12 @@ def rows_cost(native: NativeRollout, kv: int) -> None:
     fit = statistics.linear_regression(list(times), list(times.values()))
     print(f"  decode step by rows at {kv} tokens a row (ms): " + " ".join(f"{r}:{t:.3f}" for r, t in times.items()))
     print(f"  fit: {fit.intercept:.3f} ms a step + {fit.slope * 1e3:.2f} us a row")
-    native._kv_lens.zero_()
-    native._kv_lens[:1] = kv
+    native.runner.kv_lens.zero_()
+    native.runner.kv_lens[:1] = kv
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
-            native._kv_lens[:1] = kv
-            native.graphs.captured[(1, sampled)].replay()
+            native.runner.kv_lens[:1] = kv
+            native.runner.graphs.captured[(1, sampled)].replay()
         sync()
     kernels = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -262,9 +262,9 @@ def main() -> None:
         natives[name] = NativeRollout(NativeCausalLM.from_module(hf_model, dtype=weights), tok,
                                       max_slots=args.slots or args.seqs, max_len=max(args.prompt, args.long) + args.new,
                                       max_prefill_tokens=args.budget)
-        natives[name].MOVE = kind != "bf16-nomove"  # sequences stay in their slots until they end
-        natives[name].SORT = kind != "bf16-fifo"  # prompts prefilled in the order they came
-        natives[name].FAN = kind != "bf16-nofan"  # each sample prefills its prompt
+        natives[name].scheduler.MOVE = kind != "bf16-nomove"  # sequences stay in their slots until they end
+        natives[name].scheduler.SORT = kind != "bf16-fifo"  # prompts prefilled in the order they came
+        natives[name].scheduler.FAN = kind != "bf16-nofan"  # each sample prefills its prompt
     engines: dict = dict(natives)
     for cache in filter(lambda c: c in ("dynamic", "static"), args.hf_cache.split(",")):
         engines[f"hf {cache}"] = HFRollout(hf_model, tok, cache_implementation=cache)
@@ -295,15 +295,15 @@ def main() -> None:
             print(f"  {name} / best hf = {results[name] / hf_best:.2f}x")
     for name, native in natives.items():
         native.phase_s = {}
-        counts = native.padded, native.fanned
+        counts = native.runner.padded, native.scheduler.fanned
         sync()
         start = time.perf_counter()
         native.generate(prompts, params)
         total = time.perf_counter() - start
         print(f"  {name} phases (synchronized run, {total:.2f} s): "
               + ", ".join(f"{k} {v:.2f} s ({100 * v / total:.0f}%)" for k, v in sorted(native.phase_s.items()))
-              + f"; {native.padded - counts[0]:,} tokens prefilled (padding included), "
-              f"{native.fanned - counts[1]} samples took a sibling's prompt")
+              + f"; {native.runner.padded - counts[0]:,} tokens prefilled (padding included), "
+              f"{native.scheduler.fanned - counts[1]} samples took a sibling's prompt")
         if args.profile and device == "cuda":
             profile(native, args.prompt + args.new // 2 - 30)  # 60 replays end halfway
     for name, native in natives.items() if args.long else ():

@@ -172,3 +172,12 @@ def test_no_stage_or_pipeline_names_a_rollout_backend():
              for p in sorted((ROOT / top).rglob("*.py")) for n in ast.walk(ast.parse(p.read_text()))
              if (isinstance(n, ast.Name) and n.id in backends) or (isinstance(n, ast.alias) and n.name in backends)]
     assert not found, found
+
+
+def test_no_class_runs_over_300_lines():
+    """A class a reader holds in mind at once: one that outgrows it splits by idea (the native
+    rollout engine is a loop over a scheduler and a model runner)."""
+    long = {f"{p.relative_to(ROOT)}:{n.name}": n.end_lineno - n.lineno + 1
+            for top in PROJECT for p in (ROOT / top).rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
+            if isinstance(n, ast.ClassDef) and n.end_lineno and n.end_lineno - n.lineno >= 300}
+    assert long == {}

@@ -157,7 +157,7 @@ def test_the_native_engine_prefills_only_each_turns_new_tokens(merging_model, ov
             new += observation + 1  # the observation, and the last sampled token, which no decode fed
             reused += len(e.prompt.ids) + at - observation - 1
     # turn 1: each prompt once for its 4 samples; then each turn its new tokens only
-    assert engine.prefilled == sum(len(p.ids) for p in prompts) + new and engine.reused == reused
+    assert engine.scheduler.prefilled == sum(len(p.ids) for p in prompts) + new and engine.scheduler.reused == reused
 
 
 class Waiting:

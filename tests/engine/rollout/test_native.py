@@ -72,7 +72,7 @@ def test_load_from_live_module_and_release_resume(model_dir, hf, tok):
     params = SamplingParams(temperature=0, max_new_tokens=6)
     before = engine.generate([ids], params)[0][0].token_ids
     engine.release_memory()
-    assert engine.cache.k is None
+    assert engine.runner.cache.k is None
     with pytest.raises(RuntimeError):
         engine.generate([ids], params)
     engine.resume_memory()
@@ -165,7 +165,7 @@ def _tp_worker(rank: int, store: str, model_dir: str, out: str, device: str) -> 
     prompts = [tok.encode(t) for t in TEXTS[:5]]
     greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=10))
     sampled = engine.generate(prompts, SamplingParams(temperature=1.0, n=2, max_new_tokens=10, seed=1))
-    graphs = bool(engine.graphs and engine.graphs.captured)
+    graphs = bool(engine.runner.graphs and engine.runner.graphs.captured)
     torch.save({"greedy": greedy, "sampled": sampled, "graphs": graphs}, f"{out}.{rank}")
     del engine  # the captured graphs hold the communicator's work: drop them before tearing it down
     if device == "cuda":
@@ -216,24 +216,25 @@ def test_a_continued_sequence_prefills_only_its_new_tokens(model_dir, hf, tok):
     first = NativeRollout(model_dir, tok, max_slots=8, max_len=96, max_prefill_tokens=16)
     turn1 = first.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=1.0, n=2, max_new_tokens=9))
     samples = [tok.encode(t) + c.token_ids for t, g in zip(TEXTS, turn1) for c in g]  # 10 histories, 8 slots
-    kept = [s[:-1] in first.histories.held.values() for s in samples]
+    kept = [s[:-1] in first.scheduler.histories.held.values() for s in samples]
     assert sum(kept) == 8, "the last 8 sequences to retire leave their histories in the 8 idle slots"
     observations = [tok.encode(f" -> {i * 37} ok.") for i in range(len(samples))]
     turn2 = [s + o for s, o in zip(samples, observations)]
-    first.cache.k[:, :, :, 0] = 7.0  # what idle decode rows do to column 0 (see NativeCausalLM.decode)
+    first.runner.cache.k[:, :, :, 0] = 7.0  # what idle decode rows do to column 0 (see NativeCausalLM.decode)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
-    prefilled, reused = first.prefilled, first.reused
+    prefilled, reused = first.scheduler.prefilled, first.scheduler.reused
     got = first.generate(turn2, greedy)
-    assert first.reused - reused == sum(len(s) - 1 for s, k in zip(samples, kept) if k)
-    assert first.prefilled - prefilled == sum(1 + len(o) if k else len(t) for o, t, k in zip(observations, turn2, kept))
+    assert first.scheduler.reused - reused == sum(len(s) - 1 for s, k in zip(samples, kept) if k)
+    assert first.scheduler.prefilled - prefilled == sum(1 + len(o) if k else len(t)
+                                                        for o, t, k in zip(observations, turn2, kept))
     want = NativeRollout(model_dir, tok, max_slots=8, max_len=96).generate(turn2, greedy)
     for a, b in zip(got, want):
         assert a[0].token_ids == b[0].token_ids
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=1e-4)
     first.load_weights(hf.state_dict().items())  # any write: the cached K/V may be another policy's
-    prefilled = first.prefilled
+    prefilled = first.scheduler.prefilled
     first.generate([t + [5] for t in turn2], greedy)
-    assert first.prefilled - prefilled == sum(len(t) + 1 for t in turn2)
+    assert first.scheduler.prefilled - prefilled == sum(len(t) + 1 for t in turn2)
 
 
 def test_continued_rows_of_very_different_lengths_share_a_prefill(model_dir, tok):
@@ -241,15 +242,16 @@ def test_continued_rows_of_very_different_lengths_share_a_prefill(model_dir, tok
     padding runs past its slot's end and is clamped there, and both match a full prefill (the
     prefill path: with FOLD 0 no new tokens go in through decode steps)."""
     engine = NativeRollout(model_dir, tok, max_slots=4, max_len=40)
-    engine.FOLD = 0
+    engine.scheduler.FOLD = 0
     long_prompt, short_prompt = tok.encode("12+34=46, 56+78=134, 9+9="), tok.encode("1+1=")
     first = engine.generate([long_prompt, short_prompt], SamplingParams(temperature=0.0, max_new_tokens=6))
     turn2 = [long_prompt + first[0][0].token_ids + tok.encode("!"),
              short_prompt + first[1][0].token_ids + tok.encode(" then 2+2=? and 3+3=?")]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
-    reused = engine.reused
+    reused = engine.scheduler.reused
     got = engine.generate(turn2, greedy)
-    assert engine.reused - reused == len(turn2[0]) - 2 + len(turn2[1]) - 1 - len(tok.encode(" then 2+2=? and 3+3=?"))
+    new = len(tok.encode(" then 2+2=? and 3+3=?"))
+    assert engine.scheduler.reused - reused == len(turn2[0]) - 2 + len(turn2[1]) - 1 - new
     want = NativeRollout(model_dir, tok, max_slots=4, max_len=40).generate(turn2, greedy)
     for a, b in zip(got, want):
         assert a[0].token_ids == b[0].token_ids
@@ -301,26 +303,26 @@ def test_sequences_move_to_lower_slots_as_others_retire(model_dir, hf, tok):
     engine = NativeRollout(model_dir, tok, max_slots=16, max_len=96)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=24, limits=limits)
     got = engine.generate(prompts, greedy)
-    assert engine.moved >= 4, engine.moved  # at 8 running, the four in slots 8-11 go down
+    assert engine.scheduler.moved >= 4, engine.scheduler.moved  # at 8 running, the four in slots 8-11 go down
     want = NativeRollout(model_dir, tok, max_slots=1, max_len=96).generate(prompts, greedy)
     for a, b in zip(got, want):
         assert a[0].token_ids == b[0].token_ids
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=1e-4)
 
     histories = [p + g[0].token_ids[:-1] for p, g in zip(prompts, got)]
-    assert sorted(engine.histories.held.values()) == sorted(histories)
+    assert sorted(engine.scheduler.histories.held.values()) == sorted(histories)
     turn2 = [p + g[0].token_ids + tok.encode(" ok") for p, g in zip(prompts, got)]
-    reused = engine.reused
+    reused = engine.scheduler.reused
     again = engine.generate(turn2, SamplingParams(temperature=0.0, max_new_tokens=4))
-    assert engine.reused - reused == sum(map(len, histories))
+    assert engine.scheduler.reused - reused == sum(map(len, histories))
     fresh = NativeRollout(model_dir, tok, max_slots=16, max_len=96).generate(turn2, SamplingParams(
         temperature=0.0, max_new_tokens=4))
     assert [g[0].token_ids for g in again] == [g[0].token_ids for g in fresh]
 
-    moved = engine.moved
+    moved = engine.scheduler.moved
     sampled = SamplingParams(temperature=1.0, n=2, max_new_tokens=24, limits=limits, seed=4)
     flat = [c for g in engine.generate(prompts, sampled) for c in g]
-    assert engine.moved > moved
+    assert engine.scheduler.moved > moved
     logp = trainer_logprobs(hf, prompts, 2, flat, tok.pad_token_id, 1.0)
     diff = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
     assert diff.mean() < 1e-4 and diff.max() < 1e-3, (diff.mean(), diff.max())
@@ -332,9 +334,10 @@ def test_prompts_of_like_lengths_share_a_prefill_step(model_dir, tok):
     prompts = [tok.encode("12+34=46, 5+6=11, 7+8=" if i % 2 else f"{i}+1=") for i in range(8)]
     params = SamplingParams(temperature=0, max_new_tokens=6)
     engines = [NativeRollout(model_dir, tok, max_slots=8, max_len=64, max_prefill_tokens=64) for _ in range(2)]
-    engines[1].SORT = False  # first come, first prefilled: each step pairs a short prompt with a long one
+    engines[1].scheduler.SORT = False  # first come, first prefilled: each step pairs a short prompt with a long one
     got, fifo = (e.generate(prompts, params) for e in engines)
-    assert engines[0].padded == engines[0].prefilled < engines[1].padded, (engines[0].padded, engines[1].padded)
+    padded = [e.runner.padded for e in engines]
+    assert padded[0] == engines[0].scheduler.prefilled < padded[1], padded
     for a, b in zip(got, fifo):
         assert a[0].token_ids == b[0].token_ids
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-5, rtol=0)
@@ -352,12 +355,14 @@ def test_samples_waiting_for_a_slot_copy_a_running_siblings_prompt(model_dir, hf
     greedy = SamplingParams(temperature=0, n=4, max_new_tokens=12, limits=limits)
     engine = NativeRollout(model_dir, tok, max_slots=10, max_len=64)
     got = engine.generate(prompts, greedy)
-    assert engine.fanned == 2, engine.fanned
-    assert engine.prefilled - engine.fanned == sum(map(len, prompts)), (engine.prefilled, engine.fanned)
+    sched = engine.scheduler
+    assert sched.fanned == 2, sched.fanned
+    assert sched.prefilled - sched.fanned == sum(map(len, prompts)), (sched.prefilled, sched.fanned)
     each = NativeRollout(model_dir, tok, max_slots=10, max_len=64)
-    each.FAN = False
+    each.scheduler.FAN = False
     each.generate(prompts, greedy)
-    assert each.prefilled > engine.prefilled - engine.fanned  # without: those two prefilled again
+    # without: those two prefilled again
+    assert each.scheduler.prefilled > engine.scheduler.prefilled - engine.scheduler.fanned
     want = NativeRollout(model_dir, tok, max_slots=12, max_len=64).generate(prompts, greedy)
     for a, b in zip(got, want):
         for x, y in zip(a, b):
@@ -365,9 +370,9 @@ def test_samples_waiting_for_a_slot_copy_a_running_siblings_prompt(model_dir, hf
             torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4, rtol=1e-4)
 
     sampled = SamplingParams(temperature=1.0, n=4, max_new_tokens=12, limits=limits, seed=3)
-    fanned = engine.fanned
+    fanned = engine.scheduler.fanned
     flat = [c for g in engine.generate(prompts, sampled) for c in g]
-    assert engine.fanned > fanned
+    assert engine.scheduler.fanned > fanned
     logp = trainer_logprobs(hf, prompts, 4, flat, tok.pad_token_id, 1.0)
     diff = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
     assert diff.mean() < 1e-4 and diff.max() < 1e-3, (diff.mean(), diff.max())

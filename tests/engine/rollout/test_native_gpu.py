@@ -40,8 +40,8 @@ def test_greedy_graphs_eager_and_hf(model_dir, dtype):
     prompts = [tok.encode(t) for t in TEXTS]  # 40 prompts through 16 slots: refills mid-decode
     params = SamplingParams(temperature=0, max_new_tokens=24)
     got = [g[0].token_ids for g in graphs.generate(prompts, params)]
-    assert graphs.graphs and graphs.graphs.captured, "decode did not go through CUDA graphs"
-    assert graphs.prefills and graphs.prefills.captured, "prefill did not go through CUDA graphs"
+    assert graphs.runner.graphs and graphs.runner.graphs.captured, "decode did not go through CUDA graphs"
+    assert graphs.runner.prefills and graphs.runner.prefills.captured, "prefill did not go through CUDA graphs"
     assert got == [g[0].token_ids for g in eager.generate(prompts, params)]
     ref = HFRollout(hf, tok)
     want = [ref.generate([p], params)[0][0].token_ids for p in prompts]  # one at a time: no padding
@@ -65,9 +65,9 @@ def test_sampled_logprobs_match_training_forward(model_dir, dtype, tol):
     params = SamplingParams(temperature=0.8, n=4, max_new_tokens=16, seed=3, limits=[7 + i for i in range(10)])
     flat = [c for g in graphs.generate(prompts, params) for c in g]
     if dtype == torch.bfloat16:  # plain sampling in half precision runs inside the decode graphs
-        assert any(sampled for _, sampled in graphs.graphs.captured)
-    assert graphs.moved > 0
-    assert graphs.fanned > 0  # 40 sequences in 16 slots: samples that wait copy a running sibling's prompt
+        assert any(sampled for _, sampled in graphs.runner.graphs.captured)
+    assert graphs.scheduler.moved > 0
+    assert graphs.scheduler.fanned > 0  # 40 sequences in 16 slots: samples that wait copy a running sibling's prompt
     assert [c.token_ids for c in flat] == [c.token_ids for g in graphs.generate(prompts, params) for c in g]
     logp = trainer_logprobs(hf, prompts, 4, flat, tok.pad_token_id, 0.8).float().cpu()
     diffs = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
@@ -83,9 +83,9 @@ def test_continued_sequences_sampled_in_the_graphs_score_as_the_trainer_does(mod
     tok, hf, graphs, _ = engines(model_dir, torch.bfloat16)
     first = graphs.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=0.8, max_new_tokens=12, seed=2))
     turn2 = [tok.encode(t) + g[0].token_ids + tok.encode(f"->{i}.") for i, (t, g) in enumerate(zip(TEXTS, first))]
-    reused = graphs.reused
+    reused = graphs.scheduler.reused
     flat = [g[0] for g in graphs.generate(turn2, SamplingParams(temperature=0.8, max_new_tokens=16, seed=3))]
-    assert graphs.reused - reused >= 16 * 5, "the 16 histories cached are continued, not prefilled again"
+    assert graphs.scheduler.reused - reused >= 16 * 5, "the 16 histories cached are continued, not prefilled again"
     logp = trainer_logprobs(hf, turn2, 1, flat, tok.pad_token_id, 0.8).float().cpu()
     diffs = torch.cat([(logp[i, :len(c.logprobs)] - torch.tensor(c.logprobs)).abs() for i, c in enumerate(flat)])
     print(f"\ncontinued, bf16: mean |dlogprob| {diffs.mean():.2e}, max {diffs.max():.2e} over {len(diffs)} tokens")
@@ -117,7 +117,7 @@ def test_weights_landing_between_graph_steps_are_booked_per_token(model_dir):
     graphs.swap = swap
     prompts = [tok.encode(t) for t in TEXTS[:4]]
     out = [g[0] for g in graphs.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seed=5))]
-    assert any(sampled for _, sampled in graphs.graphs.captured)
+    assert any(sampled for _, sampled in graphs.runner.graphs.captured)
     spanning = [c for c in out if 0 in c.versions and 1 in c.versions]
     assert spanning and all(c.versions[:4] == [0] * 4 and set(c.versions[4:]) == {1} for c in spanning), \
         [c.versions for c in out]
@@ -145,33 +145,35 @@ def test_release_gives_the_memory_back_and_keeps_the_graphs(model_dir):
     prompts = [tok.encode(t) for t in TEXTS[:5]]
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = graphs.generate(prompts, params)
-    captured, prefills = dict(graphs.graphs.captured), dict(graphs.prefills.captured)
-    at = (graphs.cache.k.data_ptr(), graphs.cache.v.data_ptr())
+    captured, prefills = dict(graphs.runner.graphs.captured), dict(graphs.runner.prefills.captured)
+    cache = graphs.runner.cache
+    at = (cache.k.data_ptr(), cache.v.data_ptr())
     for _ in range(2):
         free = torch.cuda.mem_get_info()[0]
         graphs.release_memory()
-        assert graphs.cache.k is None
-        assert torch.cuda.mem_get_info()[0] - free >= graphs.cache.buffer.nbytes
+        assert cache.k is None
+        assert torch.cuda.mem_get_info()[0] - free >= cache.buffer.nbytes
         with pytest.raises(RuntimeError, match="resume_memory"):
             graphs.generate(prompts, params)
-        hold = [torch.empty(graphs.cache.shape, dtype=graphs.cache.dtype, device="cuda") for _ in range(2)]
+        hold = [torch.empty(cache.shape, dtype=cache.dtype, device="cuda") for _ in range(2)]
         graphs.resume_memory()
-        assert (graphs.cache.k.data_ptr(), graphs.cache.v.data_ptr()) == at
-        assert not graphs.cache.k.any() and not graphs.cache.v.any()  # zeroed, as a fresh cache
+        assert (cache.k.data_ptr(), cache.v.data_ptr()) == at
+        assert not cache.k.any() and not cache.v.any()  # zeroed, as a fresh cache
         assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
-        assert all(graphs.graphs.captured[key] is graph for key, graph in captured.items())  # replayed, not recaptured
+        # replayed, not recaptured
+        assert all(graphs.runner.graphs.captured[key] is graph for key, graph in captured.items())
         del hold
     # the weights too: their memory goes back, and generate refuses until they are written again
     free = torch.cuda.mem_get_info()[0]
     graphs.release_memory(weights=True)
-    assert torch.cuda.mem_get_info()[0] - free >= graphs.cache.buffer.nbytes + graphs.model.weights.nbytes
+    assert torch.cuda.mem_get_info()[0] - free >= cache.buffer.nbytes + graphs.model.weights.nbytes
     graphs.resume_memory()
     with pytest.raises(RuntimeError, match="weights released"):
         graphs.generate(prompts, params)
     graphs.load_weights((n, t) for f in sorted(model_dir.glob("*.safetensors")) for n, t in load_file(f).items())
     assert [g[0].token_ids for g in graphs.generate(prompts, params)] == [g[0].token_ids for g in before]
-    assert all(graphs.graphs.captured[key] is graph for key, graph in captured.items())
-    assert all(graphs.prefills.captured[key] is graph for key, graph in prefills.items())
+    assert all(graphs.runner.graphs.captured[key] is graph for key, graph in captured.items())
+    assert all(graphs.runner.prefills.captured[key] is graph for key, graph in prefills.items())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -184,12 +186,12 @@ def test_continued_sequences_on_the_graph_path(model_dir, dtype):
     engine = NativeRollout(NativeCausalLM.from_pretrained(model_dir, dtype, "cuda"), tok, max_slots=16, max_len=96)
     first = engine.generate([tok.encode(t) for t in TEXTS], SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
     samples = [tok.encode(t) + g[0].token_ids for t, g in zip(TEXTS, first)]
-    kept = [s[:-1] in engine.histories.held.values() for s in samples]
+    kept = [s[:-1] in engine.scheduler.histories.held.values() for s in samples]
     turn2 = [s + tok.encode(f"->{i}.") for i, s in enumerate(samples)]
     greedy = SamplingParams(temperature=0, max_new_tokens=8)
-    reused = engine.reused
+    reused = engine.scheduler.reused
     got = engine.generate(turn2, greedy)
-    assert sum(kept) == 16 and engine.reused - reused == sum(len(s) - 1 for s, k in zip(samples, kept) if k)
+    assert sum(kept) == 16 and engine.scheduler.reused - reused == sum(len(s) - 1 for s, k in zip(samples, kept) if k)
     fresh = NativeRollout(NativeCausalLM.from_pretrained(model_dir, dtype, "cuda"), tok, max_slots=16, max_len=96)
     want = fresh.generate(turn2, greedy)
     same = sum(a[0].token_ids == b[0].token_ids for a, b in zip(got, want))
@@ -248,7 +250,7 @@ def test_retiring_and_moving_sequences_never_wait_for_the_device(model_dir):
 
     together = synchronizing_calls([24] * 10)
     apart = synchronizing_calls([6 + 2 * i for i in range(10)])
-    assert engine.moved > 0, "no sequence moved down: the test lost its point"
+    assert engine.scheduler.moved > 0, "no sequence moved down: the test lost its point"
     assert len(apart) == len(together), f"mixed lengths: {apart}\nended together: {together}"
 
 
