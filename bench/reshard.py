@@ -73,8 +73,9 @@ def one_train_step(engine: Any, vocab: int) -> None:
 
     ids = torch.randint(0, vocab, (4, 64))
     ones = torch.ones_like(ids)
-    engine.step([lambda: -forward_logprobs(engine.root, ids, ones, ones.cumsum(1) - 1, ids[:, 32:], 1.0,
-                                                   False, entropy=False)[0].mean()])
+    with engine.step(1) as step:
+        step.backward(-forward_logprobs(engine.root, ids, ones, ones.cumsum(1) - 1, ids[:, 32:], 1.0, False,
+                                        entropy=False)[0].mean())
 
 
 def host_gbps(nbytes: int, device: str) -> float:

@@ -96,7 +96,11 @@ def rlflow_losses(root, b: dict, budget: int, pack: bool, group: int = 0) -> lis
 
 
 def rlflow_step(engine: TrainEngine, b: dict, budget: int, pack: bool, group: int = 0) -> dict[str, float]:
-    return engine.step(rlflow_losses(engine.root, b, budget, pack, group))
+    losses = rlflow_losses(engine.root, b, budget, pack, group)
+    with engine.step(len(losses)) as step:
+        for loss in losses:
+            step.backward(loss())
+    return step.out
 
 
 def hf_losses(model, b: dict, budget: int) -> list[Callable[[], torch.Tensor]]:

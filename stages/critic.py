@@ -26,7 +26,6 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -142,23 +141,22 @@ class Critic:
         stats: dict[str, list] = {}  # floats and 0-dim device tensors (see the actor's `_loss`)
         for _ in range(a.ppo_epochs):
             for lo in range(0, len(batch), rows):
-                out = self.engine.step(self._micro_losses(batch.rows(slice(lo, lo + rows)), stats))
-                stats.setdefault("critic/grad_norm", []).append(out["grad_norm"])
-                stats.setdefault("critic/lr", []).append(out["lr"])
-                stats.setdefault("critic/vf_loss", []).append(all_reduce_sum(out["loss"]))
+                mini = batch.rows(slice(lo, lo + rows))
+                denom = all_reduce_sum(float(mini.loss_mask.sum()))
+                ids, attn, pos = mini.sequences()
+                micro = micro_batches(attn, self.engine.fit(longest_row(self.cfg)).tokens, a.pack_sequences)
+                with self.engine.step(len(micro)) as step:
+                    for r in micro:
+                        step.backward(self._loss(mini, r, ids, attn, pos, denom, stats))
+                stats.setdefault("critic/grad_norm", []).append(step.out["grad_norm"])
+                stats.setdefault("critic/lr", []).append(step.out["lr"])
+                stats.setdefault("critic/vf_loss", []).append(all_reduce_sum(step.out["loss"]))
         batch.metrics.update(step_metrics(stats))
         batch.metrics["critic/values/mean"] = float(algos.masked_mean(batch.values, mask))
         batch.metrics["critic/returns/mean"] = float(algos.masked_mean(batch.returns, mask))
         batch.metrics["critic/vf_explained_var"] = float(algos.explained_variance(batch.values, batch.returns, mask))
         batch.timing["update_critic"] = time.perf_counter() - start
         return batch
-
-    def _micro_losses(self, mini: Batch, stats: dict[str, list]) -> list:
-        a = self.cfg.actor
-        denom = all_reduce_sum(float(mini.loss_mask.sum()))
-        ids, attn, pos = mini.sequences()
-        return [partial(self._loss, mini, r, ids, attn, pos, denom, stats)
-                for r in micro_batches(attn, self.engine.fit(longest_row(self.cfg)).tokens, a.pack_sequences)]
 
     def _loss(self, mini: Batch, r: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
               denom: float, stats: dict[str, list]) -> torch.Tensor:

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,25 @@ def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positio
     return logps, (ents if with_entropy else None)
 
 
+class Step:
+    """An optimizer step under way (`TrainEngine.step`): each micro-batch's loss goes to `backward`
+    in turn; `out` holds the step's numbers (grad_norm, lr, loss, skipped steps) once it is over."""
+
+    def __init__(self, engine: TrainEngine, count: int) -> None:
+        self.engine, self.count, self.done = engine, count, 0
+        self.total = torch.zeros((), device=engine.device)
+        self.out: dict[str, float] = {}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward one micro-batch's loss (gradients accumulate over the step's micro-batches)."""
+        loss.backward()
+        self.total += loss.detach()
+        self.done += 1
+        progress.tick()
+        # the next one's forward: whole weights kept, and gradients unreduced unless it is the last
+        self.engine.hold_gathered(forward=True, backward=self.done < self.count - 1)
+
+
 def process_group(device: torch.device) -> None:
     """A one-rank default group when the caller made none (one process), so FSDP2 always runs."""
     if not dist.is_initialized():
@@ -405,28 +425,27 @@ class TrainEngine:
             raise RuntimeError("TrainEngine.fit(longest) plans the micro-batches before the first forward")
         return self.planned.tokens
 
-    def step(self, micro_losses: list[Callable[[], torch.Tensor]]) -> dict[str, float]:
-        """One optimizer step over a mini-batch: each micro-batch's loss computed and backwarded in
-        turn (ranks with fewer micro-batches run idle ones), then clip and update. The host reads no
-        device value before the clip, so it queues micro-batches ahead of the device."""
+    @contextmanager
+    def step(self, micro_batches: int) -> Iterator[Step]:
+        """One optimizer step over a mini-batch of `micro_batches` micro-batches on this rank: the
+        block computes each one's loss and hands it to `Step.backward`, in turn; leaving it runs
+        the idle micro-batches of a rank with fewer than another, then clips and updates (the
+        step's numbers in `Step.out`). The host reads no device value before the clip, so it
+        queues micro-batches ahead of the device. An error in the block leaves the weights as they were."""
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        micro = list(micro_losses)
-        micro += [self.root.idle] * (in_step(self.root, len(micro)) - len(micro))
-        total = torch.zeros((), device=self.device)
+        step = Step(self, in_step(self.root, micro_batches))
         try:
-            for i, micro_loss in enumerate(micro):
-                self._hold_gathered(forward=True, backward=i < len(micro) - 1)
-                loss = micro_loss()
-                loss.backward()
-                total += loss.detach()
-                progress.tick()
+            self.hold_gathered(forward=True, backward=step.count > 1)
+            yield step
+            while step.done < step.count:
+                step.backward(self.root.idle())
         finally:
-            self._hold_gathered(forward=False, backward=False)
+            self.hold_gathered(forward=False, backward=False)
         params = [p for p in self.root.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        loss_sum = float(total)
+        loss_sum = float(step.total)
         lr = float(self.scheduler.get_last_lr()[0])
         if not (math.isfinite(grad_norm) and math.isfinite(loss_sum)):
             self.skipped_steps += 1
@@ -436,10 +455,10 @@ class TrainEngine:
             self.consecutive_skips = 0
             self.optimizer.step()
         self.scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr, "loss": loss_sum, "skipped_steps": self.skipped_steps,
-                "consecutive_skips": self.consecutive_skips}
+        step.out = {"grad_norm": grad_norm, "lr": lr, "loss": loss_sum, "skipped_steps": self.skipped_steps,
+                    "consecutive_skips": self.consecutive_skips}
 
-    def _hold_gathered(self, forward: bool, backward: bool) -> None:
+    def hold_gathered(self, forward: bool, backward: bool) -> None:
         """On one rank a shard is the whole weight, so within a step FSDP2 may keep the weights
         gathered in the compute dtype after forward (`forward`) and, between micro-batches, after
         backward too, the gradients then accumulating unreduced in float32 (`backward`).

@@ -44,8 +44,6 @@ from rlflow.engine.train.fsdp import (
     step_metrics,
 )
 
-Micro = Callable[[], torch.Tensor]  # one micro-batch's loss, computed when called
-
 
 class Loss(Protocol):
     max_staleness: int | None  # how many weight versions older than the policy a batch may be (None: any)
@@ -66,13 +64,14 @@ def budget(configured: int, trainer: TrainEngine) -> int:
     return configured if configured > 0 else trainer.micro_tokens
 
 
-def no_step(root: ResponseLM, micro: list[Micro]) -> float:
-    """The sum of micro-batch losses, without gradients; as many forwards as every other rank runs."""
-    total = 0.0
+def no_step(root: ResponseLM, losses: Callable[[torch.Tensor], torch.Tensor], micro: list[torch.Tensor]) -> float:
+    """The sum of `losses(rows)` over the micro-batches' rows, without gradients; as many forwards
+    as every other rank runs."""
+    total, count = 0.0, in_step(root, len(micro))  # a collective: before any forward
     with torch.no_grad():
-        for loss in micro:
-            total += float(loss())
-        for _ in range(in_step(root, len(micro)) - len(micro)):
+        for rows in micro:
+            total += float(losses(rows))
+        for _ in range(count - len(micro)):
             root.idle()
     return total
 
@@ -111,24 +110,22 @@ class PolicyGradient:
                 # an SP group's mini-batch: each member's rows of it (members hold equally many)
                 mini = batch.rows(slice(lo, lo + rows)) if len(members) == 1 else \
                     Batch.cat([m.rows(slice(lo, lo + rows)) for m in members])
-                out = trainer.step(self._micro_losses(trainer, mini, stats))
+                ids, attn, pos = mini.sequences()
+                # the response tokens this rank's loss covers: all, or with SP its slice's; so the
+                # all-rank token count below counts each token once (a row once: sp ranks hold it)
+                mask = mini.loss_mask * trainer.root.response_mask(attn, mini.response_ids.shape[1])
+                denom = all_reduce_sum(float(len(mini)) / a.sp if algos.divides_by_rows(a.loss_agg)
+                                       else float(mask.sum()))
+                prompt_width = attn.shape[1] - mini.response_ids.shape[1] if a.share_prompts else 0
+                micro = micro_batches(attn, budget(a.micro_batch_tokens_per_gpu, trainer), a.pack_sequences,
+                                      mini.group_size, prompt_width)
+                with trainer.step(len(micro)) as step:
+                    for r in micro:
+                        step.backward(self._loss(trainer.root, mini, r, ids, attn, pos, mask, denom, stats))
                 for k in ("grad_norm", "lr"):
-                    stats.setdefault(f"actor/{k}", []).append(out[k])
-                stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(out["loss"]))
+                    stats.setdefault(f"actor/{k}", []).append(step.out[k])
+                stats.setdefault("actor/pg_loss", []).append(all_reduce_sum(step.out["loss"]))
         return step_metrics(stats)
-
-    def _micro_losses(self, trainer: TrainEngine, mini: Batch, stats: dict[str, list]) -> list[Micro]:
-        a, root = self.actor, trainer.root
-        ids, attn, pos = mini.sequences()
-        # the response tokens this rank's loss covers: all, or with SP its slice's; so the all-rank
-        # token count below counts each token once (a row once: sp ranks hold it)
-        mask = mini.loss_mask * root.response_mask(attn, mini.response_ids.shape[1])
-        seq_mode = algos.divides_by_rows(a.loss_agg)
-        denom = all_reduce_sum(float(len(mini)) / a.sp if seq_mode else float(mask.sum()))
-        prompt_width = attn.shape[1] - mini.response_ids.shape[1] if a.share_prompts else 0
-        return [partial(self._loss, root, mini, r, ids, attn, pos, mask, denom, stats)
-                for r in micro_batches(attn, budget(a.micro_batch_tokens_per_gpu, trainer), a.pack_sequences,
-                                       mini.group_size, prompt_width)]
 
     def _loss(self, root: ResponseLM, mini: Batch, r: torch.Tensor, ids, attn, pos, owned: torch.Tensor, denom: float,
               stats) -> torch.Tensor:
@@ -203,13 +200,19 @@ class Supervised:
         self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, cfg.actor.pack_sequences
 
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
-        out = trainer.step(self._micro_losses(trainer, batch))
+        loss, micro = self._losses(trainer, batch)
+        with trainer.step(len(micro)) as step:
+            for rows in micro:
+                step.backward(loss(rows))
+        out = step.out
         return {"sft/loss": all_reduce_sum(out["loss"]), "sft/grad_norm": out["grad_norm"], "sft/lr": out["lr"]}
 
     def evaluate(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
-        return {"sft/loss": all_reduce_sum(no_step(trainer.root, self._micro_losses(trainer, batch)))}
+        return {"sft/loss": all_reduce_sum(no_step(trainer.root, *self._losses(trainer, batch)))}
 
-    def _micro_losses(self, trainer: TrainEngine, batch: Batch) -> list[Micro]:
+    def _losses(self, trainer: TrainEngine, batch: Batch) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                                                    list[torch.Tensor]]:
+        """(a micro-batch's loss from its rows, the micro-batches' rows)."""
         root = trainer.root
         ids, attn, pos = batch.sequences()
         denom = all_reduce_sum(float(batch.loss_mask.sum()))
@@ -219,7 +222,7 @@ class Supervised:
                                        entropy=False)
             return -(logp * batch.loss_mask[r].to(logp.device)).sum() / denom
 
-        return [partial(loss, r) for r in micro_batches(attn, budget(self.budget, trainer), self.pack)]
+        return loss, micro_batches(attn, budget(self.budget, trainer), self.pack)
 
 
 DPO_NAMES = {"rewards/chosen": "chosen_reward", "rewards/rejected": "rejected_reward",
@@ -242,14 +245,19 @@ class Preference:
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         rows = 2 * (self.pairs_per_step // self.workers)
         sums: dict[str, float] = {}
-        outs = [trainer.step(self._micro_losses(trainer, batch.rows(slice(lo, lo + rows)), sums))
-                for lo in range(0, len(batch), rows)]
+        outs = []
+        for lo in range(0, len(batch), rows):
+            loss, micro = self._losses(trainer, batch.rows(slice(lo, lo + rows)), sums)
+            with trainer.step(len(micro)) as step:
+                for r in micro:
+                    step.backward(loss(r))
+            outs.append(step.out)
         return {**self._means(sums, len(batch) // 2), "dpo/grad_norm": float(np.mean([o["grad_norm"] for o in outs])),
                 "dpo/lr": outs[-1]["lr"]}
 
     def evaluate(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         sums: dict[str, float] = {}
-        no_step(trainer.root, self._micro_losses(trainer, batch, sums))
+        no_step(trainer.root, *self._losses(trainer, batch, sums))
         return self._means(sums, len(batch) // 2)
 
     def _means(self, sums: dict[str, float], pairs: int) -> dict[str, float]:
@@ -257,15 +265,16 @@ class Preference:
         *totals, every = all_reduce_sums([*sums.values(), float(pairs)])
         return {f"dpo/{k}": v / every for k, v in zip(sums, totals)}
 
-    def _micro_losses(self, trainer: TrainEngine, mini: Batch, sums: dict[str, float]) -> list[Micro]:
-        root = trainer.root
+    def _losses(self, trainer: TrainEngine, mini: Batch, sums: dict[str, float]
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.Tensor]]:
+        """(a micro-batch's loss from its rows, the micro-batches' rows: whole pairs)."""
         ids, attn, pos = mini.sequences()  # [2b, L]
         pairs = len(mini) // 2
         denom = all_reduce_sum(float(pairs))  # the loss is a mean over every rank's pairs
         # micro-batches of whole pairs: a pair's two rows side by side make one [b, 2L] row
         chunks = micro_batches(attn.reshape(pairs, -1), budget(self.budget, trainer), self.pack)
-        return [partial(self._loss, root, mini, torch.stack([2 * c, 2 * c + 1], 1).flatten(), ids, attn, pos,
-                        denom, sums) for c in chunks]
+        return (partial(self._loss, trainer.root, mini, ids=ids, attn=attn, pos=pos, denom=denom, sums=sums),
+                [torch.stack([2 * c, 2 * c + 1], 1).flatten() for c in chunks])
 
     def _loss(self, root: ResponseLM, mini: Batch, r: torch.Tensor, ids, attn, pos, denom: float,
               sums: dict[str, float]) -> torch.Tensor:

@@ -205,7 +205,7 @@ def test_compiled_layers_train_like_eager_ones(model_dir):
         def loss(root=engine.root):
             logp, ent = forward_logprobs(root, ids, mask, pos, responses, 0.7, True)
             return -(logp.sum() + 0.1 * ent.sum()) / mask.sum()
-        result = engine.step([loss])
+        result = step_over(engine, [loss])
         with torch.no_grad():
             after, _ = forward_logprobs(engine.root, ids, mask, pos, responses, 0.7, False)
         runs.append((result["loss"], result["grad_norm"], after))
@@ -238,6 +238,14 @@ def test_lr_schedule():
     assert lr_lambda(0, 10, "constant")(9) == 1.0
 
 
+def step_over(engine, losses):
+    """One optimizer step over micro-batch losses computed when called, as the losses run it."""
+    with engine.step(len(losses)) as step:
+        for loss in losses:
+            step.backward(loss())
+    return step.out
+
+
 def sft_losses(engine, ids, per_micro, denom=None):
     """Summed-token cross-entropy over a fixed denominator (all of `ids`' targets unless given),
     split into micro-batches of `per_micro` rows."""
@@ -259,9 +267,9 @@ def test_one_micro_batch_of_8_equals_8_of_1_and_checkpointing_changes_nothing(mo
     b = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", "cpu")
     c = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "float32", "cpu", checkpointing=True)
     assert c.model.model.gradient_checkpointing and not a.model.model.gradient_checkpointing
-    out_a = a.step(sft_losses(a, ids, 8))
+    out_a = step_over(a, sft_losses(a, ids, 8))
     for other, per_micro in ((b, 1), (c, 2)):  # c also recomputes its layers' activations in backward
-        out = other.step(sft_losses(other, ids, per_micro))
+        out = step_over(other, sft_losses(other, ids, per_micro))
         assert out_a["loss"] == pytest.approx(out["loss"], rel=1e-5)
         assert out_a["grad_norm"] == pytest.approx(out["grad_norm"], rel=1e-4)
         for (name, pa), pb in zip(a.model.named_parameters(), other.model.parameters()):
@@ -281,7 +289,7 @@ def test_non_finite_loss_skips_the_step(model_dir):
     ones = torch.ones_like(ids)
     nan = [lambda: forward_logprobs(engine.root, ids, ones, ones.cumsum(1) - 1, ids[:, 1:], 1.0,
                                     False)[0].sum() * float("nan")]
-    out = engine.step(nan)
+    out = step_over(engine, nan)
     assert out["skipped_steps"] == 1 and out["consecutive_skips"] == 1
     assert all(torch.equal(p, q) for p, q in zip(before, engine.model.parameters()))
 
@@ -302,7 +310,7 @@ def _dp_worker(rank: int, world: int, port: int, model_dir: str, device: str, dt
     mine, per_micro = ids[rank::world], 1 if rank == 0 else 4  # unequal micro-batch counts over ranks
     losses, norms, grads = [], [], []
     for step in range(3):
-        result = engine.step(sft_losses(engine, mine, per_micro, float(ids[:, 1:].numel())))
+        result = step_over(engine, sft_losses(engine, mine, per_micro, float(ids[:, 1:].numel())))
         losses.append(all_reduce_sum(result["loss"]))
         norms.append(result["grad_norm"])
         if step == 0:
@@ -349,7 +357,7 @@ def test_offload_reuses_its_pinned_buffers_and_round_trips_the_state(model_dir):
     state load the new tensors get buffers of their own."""
     engine = TrainEngine(str(model_dir), 1e-3, 0.0, 1.0, 0, 10, "constant", "bfloat16", "cuda")
     ids = torch.randint(3, 90, (4, 6))
-    engine.step(sft_losses(engine, ids, 2, float(ids[:, 1:].numel())))
+    step_over(engine, sft_losses(engine, ids, 2, float(ids[:, 1:].numel())))
     before = [t.clone() for t in engine._optimizer_tensors()]
     state_bytes = sum(t.numel() * t.element_size() for t in before)
     buffers = None
@@ -396,7 +404,7 @@ def _sp_worker(rank: int, world: int, sp: int, port: int, model_dir: str, device
     mine = plans[world // sp][rank // sp]
     losses, norms, grads = [], [], []
     for step in range(3):
-        result = engine.step([lambda r=r: loss(r) for r in mine])
+        result = step_over(engine, [lambda r=r: loss(r) for r in mine])
         losses.append(all_reduce_sum(result["loss"]))
         norms.append(result["grad_norm"])
         if step == 0:
