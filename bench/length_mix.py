@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "RLFLOW_BENCH_LENGTH_MIX"  # the mix, as JSON, for the job's processes
-PATCHED = "rlflow.engine.rollout.native"
+PATCHED = "rlflow.engine.rollout.scheduler"
 
 
 @dataclass(frozen=True)
@@ -124,15 +124,15 @@ def force_ends(model: Any, mix: Mix, eos: int, pad: int) -> list[int]:
     return calls
 
 
-# -- rlflow: a patch of the native engine in every process of the job -------------------------------
+# -- rlflow: a patch of the native engine's scheduler in every process of the job -------------------------------
 
 def patch_native(module: Any, mix: Mix) -> None:
     """Sequences keyed (prompt index, sample) get their drawn length as their limit. The one patch
     of the bench: it checks the engine's sequence record still has the field it sets, and the
     bench checks the lengths the job logged."""
-    base = module._Seq
+    base = module.Seq
     if "limit" not in {f.name for f in dataclasses.fields(base)}:
-        raise RuntimeError(f"{module.__name__}._Seq has no `limit` any more: the length mix cannot end its sequences")
+        raise RuntimeError(f"{module.__name__}.Seq has no `limit` any more: the length mix cannot end its sequences")
 
     class Drawn(base):  # type: ignore[misc, valid-type]
         def __init__(self, prompt: list[int], key: Any, *args: Any, **kwargs: Any) -> None:
@@ -140,7 +140,7 @@ def patch_native(module: Any, mix: Mix) -> None:
             if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int):
                 self.limit = min(self.limit, answer_length(mix, prompt, key[1]))
 
-    module._Seq = Drawn
+    module.Seq = Drawn
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -49,7 +49,7 @@ from shapes import QWEN25, TINY, copy_tbps, endless_model, matmul_tflops, sync  
 from transformers import Qwen2Config
 
 from rlflow.engine.rollout import fp8
-from rlflow.engine.rollout import native as native_module
+from rlflow.engine.rollout import scheduler as scheduler_module
 from rlflow.engine.rollout.base import HFRollout, Request, SamplingParams
 from rlflow.engine.rollout.model import NativeCausalLM
 from rlflow.engine.rollout.native import NativeRollout
@@ -250,7 +250,7 @@ def main() -> None:
     prompts = [torch.randint(100, cfg.vocab_size, (n,), generator=ids).tolist() for n in lengths]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new, n=args.samples, seed=0)
     if mix:  # every native engine's sequences end at their drawn lengths; hf's could not
-        patch_native(native_module, mix)
+        patch_native(scheduler_module, mix)
         args.hf_cache = "none"
         answers = [answer_length(mix, p, j) for p in prompts for j in range(args.samples)]
         print(f"length mix: prompts {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / count:.0f}), "

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 import length_mix  # noqa: E402
 
-from rlflow.engine.rollout import native  # noqa: E402
+from rlflow.engine.rollout import native, scheduler  # noqa: E402
 from rlflow.engine.rollout.base import SamplingParams  # noqa: E402
 
 MIX = length_mix.Mix(seed=3, new=12)
@@ -57,8 +57,8 @@ def test_transformers_generate_ends_each_answer_with_eos_at_its_length(model_dir
 def test_native_engine_ends_each_sample_at_its_length(model_dir, monkeypatch):
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = prompts_of(tok)
-    monkeypatch.setattr(native, "_Seq", native._Seq)  # restored after the test
-    length_mix.patch_native(native, MIX)
+    monkeypatch.setattr(scheduler, "Seq", scheduler.Seq)  # restored after the test
+    length_mix.patch_native(scheduler, MIX)
     engine = native.NativeRollout(model_dir, tok, max_slots=4, max_len=64)
     groups = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=MIX.new, seed=1))
     for p, group in zip(prompts, groups):
@@ -70,7 +70,8 @@ def test_native_engine_ends_each_sample_at_its_length(model_dir, monkeypatch):
 
 def test_the_hook_patches_the_engine_in_a_fresh_process(tmp_path):
     _, env = length_mix.hook_dir(tmp_path / "hook", MIX)
-    code = "import rlflow.engine.rollout.native as n; print(n._Seq.__name__, n._Seq((1, 2), (0, 1), limit=99).limit)"
+    code = ("import rlflow.engine.rollout.native, rlflow.engine.rollout.scheduler as s; "
+            "print(s.Seq.__name__, s.Seq((1, 2), (0, 1), limit=99).limit)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          env={**os.environ, **env, "PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(ROOT)})
     assert out.stdout.split() == ["Drawn", str(length_mix.answer_length(MIX, [1, 2], 1))]
