@@ -42,6 +42,19 @@ step time. The first `--warmup` steps (compilation, CUDA-graph capture) are drop
 the rest reported. Peak memory: the device's memory in use, polled with nvidia-smi while each job
 runs (the same measure for both); TRL's torch max_memory_allocated too. Prints a markdown table
 and writes JSON to `--out` ($OUT/e2e.json when $OUT is set, else bench/out/e2e.json).
+
+Floors (CUDA): the seconds each rlflow phase cannot beat on this device, beside its median
+(`phase_floors`), from the step's drawn lengths, the bf16 matmul weights (embeddings are a lookup;
+the lm_head counts at answer positions only; attention's own FLOPs are left out) and two rates
+measured once before the jobs (bench/shapes.py: a 1 GiB device copy, an 8192^3 bf16 matmul):
+generation is the prompts' prefill (each prompt once) at the matmul rate, then the longest
+answer's decode steps, each reading the weights once or doing its live rows' matmuls, whichever is
+longer, plus reading each live row's KV and writing its logits (bench/rollout.py's decode floor);
+old logprobs (and the reference), where they run, one forward, 2 FLOPs a weight a token; the
+update 6 (3 passes), or 4 with LoRA (a forward and the input-gradient backward through the frozen
+base; the adapters' FLOPs neglected), so its MFU is the floor over its time, of the measured matmul
+rate (not the datasheet's peak). The forward that activation checkpointing recomputes is not
+counted: the floor is a step without it. The step's floor is the sum of its phases'.
 """
 
 from __future__ import annotations
@@ -335,6 +348,9 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
     log = work / f"rlflow_{slug}.log"
     with DevicePeak() as peak:
         rc, tail = run_logged([sys.executable, "-m", "rlflow.pipelines.cli", "train", str(conf)], log, env)
+    for line in log.read_text().splitlines():  # the trainer's memory plan (engine/train/memory.py)
+        if "trainer: micro-batches of" in line:
+            print(f"  {line.strip()}", flush=True)
     if rc:
         raise SystemExit(f"rlflow ({name}) failed (exit {rc}); log {log}:\n{tail}")
     ends: dict[int, float] = {}
@@ -344,6 +360,9 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
               "completion_len": m["response_length/mean"][i], "prompt_len": m["prompt_length/mean"][i]}
              for i in range(1, args.steps + 1)]
     out = summarise(steps, args.warmup, gpus)
+    if "timing_s/ref" in m:  # a reference model's forward, timed on its own
+        for i, s in enumerate(steps, 1):
+            s["ref_s"] = m["timing_s/ref"][i]
     logged = [max(v.values()) for k, v in m.items() if k.startswith("perf/max_memory_allocated_gb")]
     steady = range(args.warmup + 1, args.steps + 1)
     first = ends[steady[0]] - m["timing_s/step"][steady[0]]  # the first timed step's start
@@ -359,7 +378,8 @@ def run_rlflow(args: argparse.Namespace, cuda: bool, model: Path, train: Path, v
                phase_alloc_gib={k.rpartition("/")[2]: max(v.values()) for k, v in m.items()
                                 if k.startswith("perf/max_memory_allocated_gb/")},
                weight_sync_gb=max(m.get("perf/weight_sync_gb", {0: 0.0}).values()),
-               phases={k: statistics.median(s[k] for s in steps[args.warmup:]) for k in ("old_log_prob_s", "update_s")})
+               phases={k: statistics.median(s[k] for s in steps[args.warmup:])
+                       for k in ("old_log_prob_s", "ref_s", "update_s") if k in steps[0]})
     print(f"  rlflow {name}: step {out['step_s']:.3f} s = gen {out['gen_s']:.3f} + old logprobs "
           f"{out['phases']['old_log_prob_s']:.3f} + update {out['phases']['update_s']:.3f} + the rest (reward, "
           f"advantages, dispatch); staleness {out['staleness']:.2f}; GPUs busy "
@@ -412,6 +432,61 @@ def run_trl(args: argparse.Namespace, cuda: bool, mode: str, model: Path, train:
     return out
 
 
+# -- floors: what each phase cannot beat on this device ------------------------------------------
+
+def device_rates() -> dict[str, float]:
+    """This device's HBM TB/s and bf16 matmul TFLOP/s (bench/shapes.py: a 1 GiB copy, an 8192^3
+    matmul), measured in a child process: this one stays free of a CUDA context, which the jobs'
+    memory plans and peaks would count."""
+    code = "import json, shapes; print(json.dumps(dict(tbps=shapes.copy_tbps(), tflops=shapes.matmul_tflops())))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=BENCH, env=child_env(), capture_output=True, text=True,
+                         check=True).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def phase_floors(cfg: Any, prompts: list[int], answers: list[int], lora: bool,
+                 rates: dict[str, float]) -> dict[str, float]:
+    """Seconds each phase of a step takes at least, as the module docstring counts them: `prompts`
+    the step's prompt lengths, `answers` its answer lengths row by row (each prompt's samples together)."""
+    from rollout import matmul_excess, matmul_params, mix_decode_bytes  # bench/rollout.py's decode floor
+
+    decoder, head = matmul_params(cfg)
+    hbm, flops = rates["tbps"] * 1e12, rates["tflops"] * 1e12
+    matmul_s = lambda tokens, answered: 2 * (decoder * tokens + head * answered) / flops  # noqa: E731
+    rows = [p for p in prompts for _ in range(len(answers) // len(prompts))]
+    weights = 2 * (decoder + head)  # the bf16 bytes a decode step reads
+    decode = sum(mix_decode_bytes(cfg, weights, rows, answers, 2)) / hbm + \
+        matmul_excess(answers, weights / hbm, matmul_s(1, 1))
+    forward = matmul_s(sum(rows) + sum(answers), sum(answers))
+    return {"gen_s": matmul_s(sum(prompts), 0) + decode, "old_log_prob_s": forward, "ref_s": forward,
+            "update_s": (2 if lora else 3) * forward}
+
+
+def against_floors(r: dict, floors: dict[str, float], warmup: int) -> dict[str, dict[str, float]]:
+    """Each phase's median, min and max over the timed steps beside its floor and their ratio; the
+    step's beside the sum of its phases' floors. A phase that did not run has no floor: on-policy the
+    update's own forward gives the old logprobs (stages/policy.py), and that phase takes microseconds."""
+    timed = r["steps"][warmup:]
+    out = {k: dict(median_s=statistics.median(s[k] for s in timed), min_s=min(s[k] for s in timed),
+                   max_s=max(s[k] for s in timed), floor_s=floors[k]) for k in floors if k in timed[0]}
+    out = {k: v for k, v in out.items() if v["median_s"] > 0.01 * v["floor_s"]}
+    out["step_s"] = dict(median_s=r["step_s"], min_s=min(s["step_s"] for s in timed),
+                         max_s=max(s["step_s"] for s in timed), floor_s=sum(v["floor_s"] for v in out.values()))
+    for v in out.values():
+        v["ratio"] = v["median_s"] / v["floor_s"]
+    return out
+
+
+def print_floors(r: dict, rates: dict[str, float]) -> None:
+    print(f"  rlflow {r['mode']} against its floors (HBM {rates['tbps']:.2f} TB/s, bf16 matmul "
+          f"{rates['tflops']:.0f} TFLOP/s, both measured): median (min-max) / floor")
+    for k, v in r["floors"].items():
+        print(f"    {k[:-2] if k != 'step_s' else 'step (sum)':14s} {v['median_s']:8.3f} s ({v['min_s']:.3f}-"
+              f"{v['max_s']:.3f}) / {v['floor_s']:8.3f} s = {v['ratio']:.2f}x")
+    print(f"    update MFU {r['update_mfu']:.0%} of the measured matmul rate ({r['update_flops']} x params x tokens)",
+          flush=True)
+
+
 # -- report ------------------------------------------------------------------------------------
 
 def check_lengths(rows: list[dict], args: argparse.Namespace, prompts: list[list[int]]) -> None:
@@ -460,7 +535,20 @@ def bench_shape(shape: str, lengths: str, args: argparse.Namespace, cuda: bool) 
               f"warm-up), work dir {work}", flush=True)
         rows = [run_rlflow(args, cuda, model, train, val, work, name, settings) for name, settings in args.variants]
         rows += [run_trl(args, cuda, mode, model, train, work) for mode in args.trl_modes]
-        check_lengths(rows, args, train_prompt_ids(model, train))
+        prompts = train_prompt_ids(model, train)
+        check_lengths(rows, args, prompts)
+    if args.rates:  # CUDA: each rlflow phase beside its floor
+        from transformers import Qwen2Config
+
+        answers = [answer_length(args.mix, p, j) if args.mix else args.new
+                   for p in prompts for j in range(args.samples)]
+        for r in rows[:len(args.variants)]:
+            lora = bool(r["settings"].get("actor.lora_rank"))
+            r["floors"] = against_floors(r, phase_floors(Qwen2Config(**SHAPES[shape]), list(map(len, prompts)),
+                                                         answers, lora, args.rates), args.warmup)
+            r["update_flops"] = 4 if lora else 6
+            r["update_mfu"] = 1 / r["floors"]["update_s"]["ratio"]
+            print_floors(r, args.rates)
     if len(args.variants) > 1:
         base = rows[0]
         print(f"  against {base['mode']}: " + "; ".join(
@@ -529,6 +617,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     if {"mix", "reasoning"} & set(args.lengths) and "cb" in args.trl_modes:
         raise SystemExit("TRL's cb mode (generate_batch) takes no logits processor: the mix cannot force its ends")
+    args.rates = device_rates() if cuda else None  # for the floors, once, before the jobs
     rows = [r for shape in shapes for lengths in args.lengths for r in bench_shape(shape, lengths, args, cuda)]
     print("\n" + table(rows))
     out = Path(args.out)
