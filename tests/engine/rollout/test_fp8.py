@@ -221,7 +221,7 @@ def test_fp8_engine_against_bf16_greedy_and_logprob_gap(model_dir):
     greedy = SamplingParams(temperature=0, max_new_tokens=24)
     want = [g[0].token_ids for g in bf16.generate(prompts, greedy)]
     got = [g[0].token_ids for g in f8.generate(prompts, greedy)]
-    assert f8.graphs and f8.graphs.captured, "decode did not go through CUDA graphs"
+    assert f8.runner.graphs and f8.runner.graphs.captured, "decode did not go through CUDA graphs"
     same = sum(a == b for a, b in zip(got, want))
     agree = sum(x == y for a, b in zip(got, want) for x, y in zip(a, b)) / sum(len(a) for a in want)
     params = SamplingParams(temperature=1.0, n=4, max_new_tokens=16, seed=3)
