@@ -113,6 +113,13 @@ def test_a_continued_history_takes_its_slot_and_feeds_at_most_fold_new_tokens():
     assert continued[0].slot == first.slot and continued[0].cached == 5 and continued[0].feeding == [10, 11, 12]
     assert first.slot not in sched.histories and sched.reused == 5
     check_slots(sched)
+    # exactly FOLD new tokens still fold in
+    edge = Scheduler(max_slots=4, max_len=64, max_prefill_tokens=64)
+    edge.FOLD = 3
+    [first] = admitted_running(edge, [Request([5, 6, 7], ["turn1"])])
+    finish(edge, [first], [8, 9])
+    edge.take([Request([5, 6, 7, 8, 9, 10, 11], ["turn2"])], 4)
+    assert [s.key for s in edge.join()[0]] == ["turn2"]
     # more new tokens than FOLD: it waits for a prefill of the rest, in its own slot
     fold = Scheduler(max_slots=4, max_len=64, max_prefill_tokens=64)
     fold.FOLD = 2
@@ -183,6 +190,14 @@ def test_running_sequences_move_down_as_others_retire_and_take_kept_histories_al
     assert [sched.histories.get(slot) for slot in (8, 9, 10, 11)] == [[i, i + 1] for i in range(4)]
     assert set(sched.free) == set(range(4, 16))
     check_slots(sched)
+    [late] = admitted_running(sched, [Request([7, 7], ["late"])])
+    assert late.slot == 7, "a slot vacated by a move went before the low free ones"
+    still = Scheduler(max_slots=16, max_len=64, max_prefill_tokens=64)
+    still.MOVE = False
+    seqs = admitted_running(still, [Request([i, i + 1], [i]) for i in range(12)])
+    for s in seqs[:8]:
+        s.limit = 1
+    assert still.retire(still.book(seqs, [3] * 12, [0.0] * 12, None, NEVER), []) == []
 
 
 def test_nothing_moves_while_requests_wait_for_a_slot():
