@@ -18,8 +18,8 @@ Its rules, each a method:
   down to the lowest slots, so decode steps run over fewer rows.
 
 Invariants:
-- a slot is free, reserved for the waiting request that continues its history, or running one
-  sequence; `free`, `reserved` and the running sequences' slots never overlap;
+- a slot is free or runs one sequence, never both; a free slot may be reserved for the waiting
+  request that continues its history (`reserved` names free slots only);
 - the schedule depends only on the requests, the order they came in and the histories kept, so
   the same calls give the same schedule.
 
