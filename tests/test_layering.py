@@ -181,3 +181,14 @@ def test_no_class_runs_over_300_lines():
             for top in PROJECT for p in (ROOT / top).rglob("*.py") for n in ast.walk(ast.parse(p.read_text()))
             if isinstance(n, ast.ClassDef) and n.end_lineno and n.end_lineno - n.lineno >= 300}
     assert long == {}
+
+
+def test_no_two_public_classes_share_a_name():
+    """One name, one thing: a reader who meets `Step` or `Policy` knows which one it is."""
+    seen: dict[str, list[str]] = {}
+    for top in PROJECT:
+        for p in (ROOT / top).rglob("*.py"):
+            for n in ast.walk(ast.parse(p.read_text())):
+                if isinstance(n, ast.ClassDef) and not n.name.startswith("_"):
+                    seen.setdefault(n.name, []).append(str(p.relative_to(ROOT)))
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}

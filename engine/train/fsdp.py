@@ -284,7 +284,7 @@ def response_logprobs(model: Any, ids: torch.Tensor, mask: torch.Tensor, positio
     return logps, (ents if with_entropy else None)
 
 
-class Step:
+class OptimizerStep:
     """An optimizer step under way (`TrainEngine.step`): each micro-batch's loss goes to `backward`
     in turn; `out` holds the step's numbers (grad_norm, lr, loss, skipped steps) once it is over."""
 
@@ -426,15 +426,15 @@ class TrainEngine:
         return self.planned.tokens
 
     @contextmanager
-    def step(self, micro_batches: int) -> Iterator[Step]:
+    def step(self, micro_batches: int) -> Iterator[OptimizerStep]:
         """One optimizer step over a mini-batch of `micro_batches` micro-batches on this rank: the
-        block computes each one's loss and hands it to `Step.backward`, in turn; leaving it runs
+        block computes each one's loss and hands it to `OptimizerStep.backward`, in turn; leaving it runs
         the idle micro-batches of a rank with fewer than another, then clips and updates (the
-        step's numbers in `Step.out`). The host reads no device value before the clip, so it
+        step's numbers in `OptimizerStep.out`). The host reads no device value before the clip, so it
         queues micro-batches ahead of the device. An error in the block leaves the weights as they were."""
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        step = Step(self, in_step(self.root, micro_batches))
+        step = OptimizerStep(self, in_step(self.root, micro_batches))
         try:
             self.hold_gathered(forward=True, backward=step.count > 1)
             yield step
