@@ -310,12 +310,12 @@ def main() -> None:
         long = torch.randint(100, cfg.vocab_size, (args.long,), generator=ids).tolist()
         for budget in (args.budget, args.long) * 2:  # the second of each counts: the first meets new shapes
             # args.long: all of it in one step, as before chunks alternated (what is admitted, and each chunk)
-            native.scheduler.max_prefill_tokens = native.runner.max_prefill_tokens = budget
+            native.scheduler.max_prefill_tokens = budget
             if budget == args.budget:
                 chunked = long_prompt_stall(native, prompts, params, long, 16)
             else:
                 whole = long_prompt_stall(native, prompts, params, long, 16)
-        native.scheduler.max_prefill_tokens = native.runner.max_prefill_tokens = args.budget
+        native.scheduler.max_prefill_tokens = args.budget
         print(f"  {name}: a {args.long}-token prompt 16 steps in: in chunks of {args.budget}, {chunked[0]:.2f} s and "
               f"{1e3 * chunked[1]:.1f} ms at most between two steps; whole, {whole[0]:.2f} s and "
               f"{1e3 * whole[1]:.1f} ms", flush=True)

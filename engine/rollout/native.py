@@ -176,7 +176,7 @@ class NativeRollout:
                 rows = None if continued or copies else rows
                 due = sched.due()
                 admitted = sched.admit(due and ahead is None and filling is None)
-                filling = runner.start_prefill(admitted) if admitted else filling
+                filling = runner.start_prefill(admitted, sched.max_prefill_tokens) if admitted else filling
                 self._lap("schedule")
                 entered: list[Seq] = []  # the sequences whose prefill ends this step
                 if filling is not None and not (sched.running and chunked):  # a chunk, else the running decode first

@@ -43,6 +43,7 @@ class Prefill:
     continued: bool
     reach: int  # the most any row's slot already holds
     graphed: bool  # whether it runs as a prefill graph (then in one step)
+    chunk: int  # columns an engine step takes in
     done: int = 0  # columns of `ids` already in
 
 
@@ -61,7 +62,7 @@ class ModelRunner:
                 max_slots = int(agreed.item())
             if max_slots < 1:
                 raise ValueError(f"memory_fraction {memory_fraction} leaves no room for one {max_len}-token slot")
-        self.max_slots, self.max_len, self.max_prefill_tokens = max_slots, max_len, max_prefill_tokens
+        self.max_slots, self.max_len = max_slots, max_len
         self.row_sizes = row_sizes(max_slots)
         self.cache = KVCache(cfg.num_hidden_layers, max_slots, max_len, model.kv_heads, head_dim(cfg),
                              weight.dtype, self.device)
@@ -76,7 +77,7 @@ class ModelRunner:
         if cuda_graphs and self.device.type == "cuda":
             self.graphs = DecodeGraphs(model, self.cache, self.ids, self.kv_lens, max_len, self.row_sizes)
             if model.tp.size == 1:
-                self.prefills = PrefillGraphs(model, self.cache, max_prefill_tokens)
+                self.prefills = PrefillGraphs(model, self.cache, max_prefill_tokens)  # its pool: one such step
 
     def begin(self, params: SamplingParams) -> bool:
         """A call begins with every slot idle; returns whether its decode steps sample inside the graphs."""
@@ -164,9 +165,9 @@ class ModelRunner:
             self.cache.k[:, dst, :, :width] = self.cache.k[:, src, :, :width]
             self.cache.v[:, dst, :, :width] = self.cache.v[:, src, :, :width]
 
-    def start_prefill(self, batch: list[Seq]) -> Prefill:
-        """Lay out the prompts of `batch` for prefill: a prompt's samples share one row, whose K/V is
-        copied to their slots once it is in."""
+    def start_prefill(self, batch: list[Seq], budget: int) -> Prefill:
+        """Lay out the prompts of `batch` for prefill, in chunks of `budget` columns (the scheduler's
+        prefill budget): a prompt's samples share one row, whose K/V is copied to their slots once it is in."""
         first: dict[int, int] = {}  # id(prompt) -> row of its prefill
         rows: list[Seq] = []  # one sequence per distinct prompt
         for s in batch:
@@ -177,7 +178,7 @@ class ModelRunner:
         continued = any(s.cached for s in rows)
         width = None  # a prefill graph's columns, where the step is one (fresh prompts only)
         if self.prefills is not None and not continued:
-            width = self.prefills.columns(len(rows), max(lens), self.max_prefill_tokens)
+            width = self.prefills.columns(len(rows), max(lens), budget)
         ids = torch.zeros(len(rows), width or max(lens), dtype=torch.long)  # right-padded; pads never attended
         for i, s in enumerate(rows):
             ids[i, :lens[i]] = torch.tensor(s.prompt[s.cached:])
@@ -188,15 +189,15 @@ class ModelRunner:
         self.padded += ids.numel()
         return Prefill(batch, torch.tensor([first[id(s.prompt)] for s in batch], device=self.device),
                        ids.to(self.device), cached[:, None] + torch.arange(ids.shape[1], device=self.device),
-                       slots, cached, lens, continued, max(s.cached for s in rows), width is not None)
+                       slots, cached, lens, continued, max(s.cached for s in rows), width is not None, budget)
 
     def prefill_chunk(self, p: Prefill) -> torch.Tensor | None:
-        """Write the next `max_prefill_tokens` columns of `p` into its slots (a prompt over that budget
+        """Write the next `p.chunk` columns of `p` into its slots (a prompt over that budget
         comes alone and goes in over several engine steps: bounded activations, and the running
         sequences decode between two chunks). The last chunk shares each row with its samples'
         slots and returns logits [B, V] at each prompt's last token; the others None."""
         start = p.done
-        p.done = end = min(start + self.max_prefill_tokens, p.ids.shape[1])
+        p.done = end = min(start + p.chunk, p.ids.shape[1])
         last = torch.tensor(p.lens, device=self.device) - 1 - start  # each row's last column in this chunk
         picked = None  # [P, H] the hidden state there
         if p.graphed:
