@@ -30,7 +30,11 @@ from torch import Tensor
 # estimators are `ESTIMATORS`, below the functions they call.
 POLICY_LOSSES = ("ppo", "gspo", "cispo")  # actor.policy_loss
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # actor.loss_agg
-KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "low_var_kl")  # actor.kl_loss_type, algorithm.kl_penalty
+KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "low_var_kl")  # actor.kl_loss_type
+# The KL in the reward (algorithm.kl_coef) is k1, a constant: summed over a row's tokens it is the
+# row's log ratio to the reference, an unbiased estimate of the sequences' KL, which the returns
+# then carry; the others are not (InstructGPT's penalty, verl's and OpenRLHF's PPO default).
+REWARD_KL = "k1"
 NO_CORRECTION = "none"
 ROLLOUT_CORRECTIONS = (NO_CORRECTION, "token_tis", "seq_tis", "token_mask", "seq_mask")  # algorithm.rollout_correction
 WHOLE_SEQUENCE = ("gspo", "seq-mean-token-mean", "seq_tis", "seq_mask")  # a ratio or mean over a row's tokens
@@ -261,13 +265,14 @@ def dynamic_sampling_rows(scores: Tensor, group_size: int, want: int) -> Tensor:
     return (groups.unsqueeze(-1) * group_size + torch.arange(group_size, device=scores.device)).flatten()
 
 
-def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float) -> Tensor:
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int) -> Tensor:
     """DAPO's soft overlong punishment, added to the reward. lengths: [N] response tokens. Returns [N].
 
-    0 up to ``max_len - buffer`` tokens, then falling linearly to ``-penalty`` at ``max_len``.
+    0 up to ``max_len - buffer`` tokens, then falling linearly to -1 at ``max_len``: DAPO's shaping
+    (Yu et al., 2025), whose -1 is a wrong answer's distance from a right one under 0/1 rewards.
     """
     over = (lengths.float() - (max_len - buffer)) / buffer  # [N], > 0 inside the buffer
-    return -penalty * over.clamp(0.0, 1.0)
+    return -over.clamp(0.0, 1.0)
 
 
 def pass_at_k(n: int, correct: int, k: int) -> float:

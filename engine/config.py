@@ -35,6 +35,7 @@ from rlflow.engine import algos, aliases, recipes
 from rlflow.engine.algos import ADVANTAGES, KL_ESTIMATORS, LOSS_AGGS, POLICY_LOSSES, ROLLOUT_CORRECTIONS
 
 EMBEDDED = "embedded"  # model.path / data.*_files value that selects the built-in task
+NO_RULE = "none"  # reward.function value: no rule function scores (a reward model, or an environment, alone)
 EMBEDDED_WARMSTART_STEPS = 4000  # the embedded model's warm start before RL or DPO: at most this many steps ...
 EMBEDDED_WARMSTART_ACCURACY = 0.4  # ... ending once its greedy accuracy on training problems reaches this
 DEMO = "demo"  # the recipe of a run that names none and no model: the embedded task on the CPU
@@ -110,14 +111,12 @@ class ActorConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # derived, not a switch: the command's sft | dpo, or the RL label (run_label: gae is ppo)
+    name: str = "grpo"  # not a key (DERIVED): the command's sft | dpo, or the RL label (run_label: gae is ppo)
     advantage: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp | reinforce_pp_baseline | remax | gae | FILE.py:NAME
     gamma: float = 1.0  # discount of per-token returns (reinforce_pp, gae)
     lam: float = 1.0  # GAE lambda: 1 = Monte Carlo return minus the value, 0 = one-step TD
-    kl_in_reward: bool = False  # subtract a per-token KL to the reference from the reward (reinforce_pp, gae)
-    kl_coef: float = 0.001  # that KL's coefficient (the starting one when kl_target > 0)
-    kl_penalty: str = "k1"  # that KL's estimator, as actor.kl_loss_type
-    kl_target: float = 0.0  # > 0 makes the in-reward KL coefficient adaptive
+    kl_coef: float = 0.0  # weight of a per-token KL to the reference in the reward (reinforce_pp, gae); 0 = none
+    kl_target: float = 0.0  # > 0 makes that weight adaptive, starting from kl_coef
     dynamic_sampling_tries: int = 0  # DAPO: > 0 drops groups with equal rewards, generating up to this many rounds
     rollout_correction: str = "none"  # none | token_tis | seq_tis | token_mask | seq_mask: the rollout/trainer gap
     rollout_correction_cap: float = 2.0  # tis: weights capped at this; mask: kept within [1/cap, cap]
@@ -134,14 +133,12 @@ class CriticConfig:
 
 @dataclass
 class RewardConfig:
-    function: str = ""  # "module:function" or "path/file.py:function"; "" = built-in by data_source
+    function: str = ""  # "module:function" or "path/file.py:function"; "" = built-in by data_source; none: no rule
     on_error: str = "zero"  # zero (counted in reward/errors) | raise
     timeout_s: float = 30.0  # per call; a call that runs longer scores 0 and counts as an error; 0 = none
-    overlong_buffer: int = 0  # DAPO: > 0 ramps a penalty over this many tokens before max_new_tokens
-    overlong_penalty: float = 1.0  # reward (for advantages) lost at rollout.max_new_tokens
+    overlong_buffer: int = 0  # DAPO: > 0 ramps a penalty to -1 over this many tokens before max_new_tokens
     model: str = ""  # HF sequence-classification directory (num_labels=1) scoring prompt + response; "" = none
-    model_weight: float = 1.0  # score = rule_weight x rule reward + model_weight x reward-model score
-    rule_weight: float = 1.0  # 0 skips the rule function (a reward model alone)
+    model_weight: float = 1.0  # score = rule reward + model_weight x reward-model score
 
 
 @dataclass
@@ -154,7 +151,6 @@ class DPOConfig:
 class WarmstartConfig:
     steps: int = -1  # supervised steps on train answers before RL/DPO (at most); 0 skips; auto: embedded 4000, else 0
     lr: float = 2e-5  # the warm start's constant learning rate
-    batch_size: int = 32  # examples per warm-start step, on one worker
     stop_accuracy: float = -1.0  # end at this greedy accuracy on 256 held-out train rows; 0 no; auto: .4 embedded
 
 
@@ -206,14 +202,18 @@ class ConfigError(ValueError):
     pass
 
 
+# Fields a run fills in and logs but no one sets: the run's label, from the command and the settings
+DERIVED = ("algorithm.name",)
+
+
 def all_keys(cls: Any = Config, prefix: str = "") -> dict[str, Any]:
-    """Every leaf key as {dotted.path: type}."""
+    """Every leaf key as {dotted.path: type}: what a recipe or an override may set."""
     out: dict[str, Any] = {}
     for name, tp in typing.get_type_hints(cls).items():
         key = f"{prefix}{name}"
         if dataclasses.is_dataclass(tp):
             out.update(all_keys(tp, key + "."))
-        else:
+        elif key not in DERIVED:
             out[key] = tp
     return out
 
@@ -223,6 +223,12 @@ RENAMED = {  # old key -> what replaced it
     "trainer.progress": "behaviour: the progress bar shows when stderr is a terminal, lines otherwise",
     "trainer.samples_every": "trainer.val_every: a table of sample generations is logged with each validation",
     "trainer.max_consecutive_skips": "a constant: five non-finite optimizer steps in a row stop the run",
+    "reward.rule_weight": "reward.function=none for no rule (a reward model alone); the rule's weight is 1, the "
+                          "model's reward.model_weight",
+    "warmstart.batch_size": "a constant: 32 examples a warm-start step (pipelines/sft.py, BATCH)",
+    "reward.overlong_penalty": "a constant: DAPO's penalty reaches -1 at rollout.max_new_tokens (engine/algos.py)",
+    "algorithm.kl_in_reward": "algorithm.kl_coef > 0 (0, the default, puts no KL in the reward)",
+    "algorithm.kl_penalty": "a constant: the KL in the reward is k1 (engine/algos.py, REWARD_KL)",
 }
 
 
@@ -485,7 +491,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.loss_agg": LOSS_AGGS,  # the algorithm switches: the names engine/algos.py dispatches on
     "actor.kl_loss_type": KL_ESTIMATORS,
     "actor.policy_loss": POLICY_LOSSES,
-    "algorithm.kl_penalty": KL_ESTIMATORS,
     "algorithm.rollout_correction": ROLLOUT_CORRECTIONS,
     "reward.on_error": ("zero", "raise"),
     "trainer.dag": ("compiled", "plain"),
@@ -557,8 +562,11 @@ def validate(cfg: Config) -> None:
     _validate_dapo(cfg)
     _validate_critic(cfg)
     _validate_scoring(cfg)
-    if cfg.algorithm.kl_in_reward and not est.token_rewards:
-        raise ConfigError("algorithm.kl_in_reward needs an advantage that reads per-token rewards, "
+    if cfg.algorithm.kl_target and not cfg.algorithm.kl_coef:
+        raise ConfigError(f"algorithm.kl_target={cfg.algorithm.kl_target} adapts algorithm.kl_coef, which is 0 "
+                          "(no KL in the reward): set a starting kl_coef > 0, e.g. 0.001")
+    if cfg.algorithm.kl_coef and not est.token_rewards:
+        raise ConfigError("algorithm.kl_coef > 0 needs an advantage that reads per-token rewards, "
                           f"{[e.name for e in algos.ESTIMATORS.values() if e.token_rewards]}; the others use the "
                           "outcome score, so use actor.kl_loss_coef")
     if set(p.own_pool) - {"reward", "reference", "critic", "rollout"}:
@@ -580,7 +588,7 @@ def _validate_ranges(cfg: Config) -> None:
                 "trainer.total_steps": cfg.trainer.total_steps, "actor.lr": a.lr,
                 "rollout.samples_per_prompt": r.samples_per_prompt, "placement.torch_threads": p.torch_threads,
                 "actor.grad_clip": a.grad_clip,
-                "warmstart.lr": cfg.warmstart.lr, "warmstart.batch_size": cfg.warmstart.batch_size,
+                "warmstart.lr": cfg.warmstart.lr,
                 "trainer.keep_last": cfg.trainer.keep_last, "rollout.top_p": r.top_p,
                 "trainer.step_timeout_s": cfg.trainer.step_timeout_s,
                 "trainer.stall_timeout_s": cfg.trainer.stall_timeout_s}
@@ -670,11 +678,10 @@ def _validate_scoring(cfg: Config) -> None:
         raise ConfigError(f"dpo.beta must be > 0, got {cfg.dpo.beta}")
     if cfg.dpo.nll_coef < 0:
         raise ConfigError(f"dpo.nll_coef must be >= 0, got {cfg.dpo.nll_coef}")
-    if rw.model_weight < 0 or rw.rule_weight < 0:
-        raise ConfigError(f"reward.model_weight and reward.rule_weight must be >= 0; got {rw.model_weight}, "
-                          f"{rw.rule_weight}")
-    if not (rw.rule_weight or (rw.model and rw.model_weight)):
-        raise ConfigError("reward.rule_weight=0 needs reward.model set and reward.model_weight > 0: "
+    if rw.model_weight < 0:
+        raise ConfigError(f"reward.model_weight must be >= 0; got {rw.model_weight}")
+    if rw.function == NO_RULE and not (rw.model and rw.model_weight) and not cfg.rollout.env:
+        raise ConfigError("reward.function=none needs reward.model set and reward.model_weight > 0: "
                           "nothing would score the responses")
 
 
@@ -686,9 +693,9 @@ def _validate_dapo(cfg: Config) -> None:
     if tries and cfg.rollout.samples_per_prompt < 2:
         raise ConfigError("algorithm.dynamic_sampling_tries compares the rewards of one prompt's samples: "
                           "rollout.samples_per_prompt must be >= 2")
-    if not 0 <= rw.overlong_buffer <= cfg.rollout.max_new_tokens or rw.overlong_penalty < 0:
+    if not 0 <= rw.overlong_buffer <= cfg.rollout.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer must be in [0, rollout.max_new_tokens={cfg.rollout.max_new_tokens}]"
-                          f" and reward.overlong_penalty >= 0; got {rw.overlong_buffer}, {rw.overlong_penalty}")
+                          f"; got {rw.overlong_buffer}")
     if rw.overlong_buffer and estimator_of(cfg.algorithm.advantage).greedy_baseline:
         raise ConfigError("reward.overlong_buffer with algorithm.advantage=remax would shape the samples' rewards "
                           "but not the greedy baseline's; use one of them")
@@ -702,7 +709,8 @@ def meanings() -> dict[str, str]:
     out = {}
     for section, cls in typing.get_type_hints(Config).items():
         comments = dict(re.findall(r"^\s+(\w+): [^#\n]*?(?:#\s*(.*))?$", inspect.getsource(cls), re.M))
-        out.update({f"{section}.{f.name}": comments.get(f.name, "") for f in dataclasses.fields(cls)})
+        out.update({f"{section}.{f.name}": comments.get(f.name, "") for f in dataclasses.fields(cls)
+                    if f"{section}.{f.name}" not in DERIVED})
     return out
 
 

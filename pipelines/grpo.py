@@ -207,7 +207,7 @@ class GRPO:
         if self.ahead:
             self.ahead.reset()
         return launch(c, self.model_path, advantage=True,
-                      reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_in_reward),
+                      reference=bool(c.actor.kl_loss_coef or c.algorithm.kl_coef),
                       critic=estimator_of(c.algorithm.advantage).critic)
 
     def inputs(self, stages: Stages, loader: PromptLoader, step: int) -> tuple[list[Any], dict[str, float]]:

@@ -145,7 +145,7 @@ def _check_sources(cfg: Config, keys: tuple[str, ...]) -> None:
     from rlflow.engine.data.rewards import BUILTIN
 
     rw = cfg.reward
-    if job_of(cfg) != "rl" or rw.function or not rw.rule_weight or cfg.rollout.env:
+    if job_of(cfg) != "rl" or rw.function or cfg.rollout.env:
         return
     for key in keys:
         for f in (f for f in getattr(cfg.data, key) if f != EMBEDDED):

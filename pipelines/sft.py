@@ -15,7 +15,7 @@ Validation (`val/sft/loss`, the mean response-token NLL of `data.val_files`), ch
 restarts and logging are the driver loop's (pipelines/driver.py), between executions.
 
 The warm start (`supervised`) runs the same step on one worker for at most `warmstart.steps` steps
-of `warmstart.batch_size` examples at a constant `warmstart.lr`, without checkpoints. Before RL,
+of `BATCH` examples (all of them, where fewer) at a constant `warmstart.lr`, without checkpoints. Before RL,
 with `warmstart.stop_accuracy` > 0, it holds 256 training prompts out and ends
 once their greedy accuracy (scored by the run's reward, measured every `CHECK_EVERY`
 steps) reaches that: where a warm start lands, not how many steps it took, decides how much RL
@@ -154,6 +154,9 @@ def warm_start(cfg: Config, model_path: str, train_files: list[str], tracker: Tr
     return supervised(cfg, model_path, examples, pad_id, tracker, dev)
 
 
+# examples per warm-start step, on one worker: the embedded demo's warm start, for which it was tuned with
+# warmstart.lr (docs/learning.md); a model of your own starts with none, and `rlflow sft` has its own sizes
+BATCH = 32
 DEV_PROMPTS = 256  # training prompts the warm start holds out, to measure its accuracy on
 CHECK_EVERY = 50  # warm-start steps between two measurements of that accuracy
 
@@ -176,16 +179,16 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
     if (target / "config.json").is_file():
         print(f"warm-start: reusing {target}")
         return str(target)
-    if len(examples) < w.batch_size:
-        raise ConfigError(f"the warm start has {len(examples)} examples"
+    size = min(BATCH, len(examples))  # a small training set: all of it each step
+    if not size:
+        raise ConfigError("the warm start has no examples"
                           + (f" once {len(dev)} prompts are held out to measure its accuracy" if dev else "")
-                          + f", fewer than warmstart.batch_size={w.batch_size}: lower it, or set "
-                          "warmstart.stop_accuracy=0 (no prompts held out) or warmstart.steps=0")
+                          + ": set warmstart.stop_accuracy=0 (no prompts held out) or warmstart.steps=0")
     # the warm start's own phase, from the warmstart section: the run's settings stay as they are
     ws_cfg = replace(
         cfg, actor=replace(cfg.actor, lr=w.lr, warmup_steps=0, lr_schedule="constant", sp=1,
-                           mini_batch_prompts=w.batch_size, ppo_epochs=1, lora_rank=0),  # full weights: LoRA's base
-        data=replace(cfg.data, prompts_per_step=w.batch_size), trainer=replace(cfg.trainer, total_steps=w.steps),
+                           mini_batch_prompts=size, ppo_epochs=1, lora_rank=0),  # full weights: LoRA's base
+        data=replace(cfg.data, prompts_per_step=size), trainer=replace(cfg.trainer, total_steps=w.steps),
         placement=replace(cfg.placement, workers=1, own_pool=[]), rollout=replace(cfg.rollout, tp=1))  # one process
     rng = random.Random(cfg.trainer.seed)  # independent draws, as the warm start always made them
     dev = dev or []
@@ -198,7 +201,7 @@ def supervised(cfg: Config, model_path: str, examples: list[Example], pad_id: in
         every, since = max(1, w.steps // 10), time.perf_counter()  # ten lines a warm start: a long one shows it moves
         for step in range(w.steps):
             begin = time.perf_counter()
-            batch = rng.sample(examples, w.batch_size)
+            batch = rng.sample(examples, size)
             metrics = step_metrics(run_step([examples_batch(batch, pad_id)]), time.perf_counter() - begin,
                                    sum(len(e.prompt) + len(e.response) for e in batch), 1)
             if step % 10 == 0 or step == w.steps - 1:

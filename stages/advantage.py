@@ -10,7 +10,7 @@ between the critic's values and the updates.
 a group baseline (GRPO, Dr.GRPO, RLOO, REINFORCE++), ReMax's greedy-answer baseline, or GAE over
 the critic's values (PPO). The estimators that read per-token rewards (REINFORCE++ and GAE) see a
 multi-turn episode's rewards on the turns that earned them; the others, the episode's total. With
-`algorithm.kl_in_reward` a per-token KL penalty to the reference joins the rewards, its
+`algorithm.kl_coef` > 0 a per-token KL penalty to the reference (k1) joins the rewards, its
 coefficient fixed or adapted to `algorithm.kl_target` after every step that trains the policy.
 DAPO's overlong shaping changes the reward the advantages see; the logged score stays raw.
 """
@@ -43,15 +43,14 @@ class Advantage:
             batch.timing["baseline"] = sum(baseline.timing.values())
         scores = batch.scores
         if rw.overlong_buffer:  # DAPO: shape the reward that advantages see; the logged score stays raw
-            penalty = algos.overlong_penalty(mask.sum(1), self.cfg.rollout.max_new_tokens, rw.overlong_buffer,
-                                             rw.overlong_penalty)
+            penalty = algos.overlong_penalty(mask.sum(1), self.cfg.rollout.max_new_tokens, rw.overlong_buffer)
             scores = scores + penalty
             batch.metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
         # per-token rewards, for the estimators that read them: an episode's turns keep theirs
         earned = batch.env_rewards if batch.env_rewards.numel() else None
         rewards = algos.token_scores(scores, mask, earned)  # [N, R]
-        if alg.kl_in_reward:
-            kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, alg.kl_penalty)
+        if alg.kl_coef:
+            kl = algos.kl_penalty(batch.old_logprobs, batch.ref_logprobs, algos.REWARD_KL)
             rewards = algos.kl_in_reward(rewards, kl, mask, self.kl_ctl.value)
             batch.metrics["actor/reward_kl_penalty"] = float(algos.masked_mean(kl, mask))
             batch.metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctl.value

@@ -62,7 +62,7 @@ class Policy:
         self.weight_version = 0
         # a LoRA policy is its own reference (the base): when the run has a KL term or is DPO
         self.own_reference = bool(a.lora_rank) and (cfg.algorithm.name == "dpo" or bool(
-            a.kl_loss_coef or cfg.algorithm.kl_in_reward))
+            a.kl_loss_coef or cfg.algorithm.kl_coef))
 
     def logprobs(self, batch: Batch) -> Batch:
         """Old-policy logprobs, plus how far they are from what the rollout engine reported.
@@ -75,7 +75,7 @@ class Policy:
         self.engine.fit(self.longest)
         self._reference(batch)
         if a.ppo_epochs == 1 and a.mini_batch_prompts == self.cfg.data.prompts_per_step and \
-                not self.cfg.algorithm.kl_in_reward:
+                not self.cfg.algorithm.kl_coef:
             batch.timing["old_log_prob"] = time.perf_counter() - start
             return batch
         batch.old_logprobs = self._forward(batch)

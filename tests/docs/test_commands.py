@@ -37,7 +37,7 @@ RUN = [ROOT / "README.md", *sorted((ROOT / "docs" / "howto").glob("*.md"))]
 RECORDS = ("benchmarks.md", "logs")  # what was run, as it was run: not commands to resolve today
 PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if not set(p.parts) & set(RECORDS))]
 GPU, RUN_BY = "# needs a GPU", "# run by "
-CPU_SIZED = {"trainer.total_steps": "1", "warmstart.steps": "2", "warmstart.batch_size": "8",
+CPU_SIZED = {"trainer.total_steps": "1", "warmstart.steps": "2",
              "data.prompts_per_step": "8", "actor.mini_batch_prompts": "8", "data.val_max_prompts": "8",
              "trainer.val_samples": "2", "trainer.val_every": "0"}
 EVAL_SIZED = {"data.val_max_prompts": "8", "rollout.samples_per_prompt": "2"}

@@ -243,9 +243,9 @@ def test_dynamic_sampling_rows_takes_varied_groups_first_then_tops_up() -> None:
 
 
 def test_overlong_penalty_is_linear_over_the_buffer() -> None:
-    # max 8 tokens, buffer 4: free up to 4 tokens, then (L - 4) / 4 of the penalty, all of it at 8
-    close(overlong_penalty(torch.tensor([3, 4, 6, 8]), 8, 4, 1.0), [0.0, 0.0, -0.5, -1.0])
-    close(overlong_penalty(torch.tensor([3, 4, 6, 8]), 8, 4, 0.5), [0.0, 0.0, -0.25, -0.5])
+    # max 8 tokens, buffer 4: free up to 4 tokens, then -(L - 4) / 4, all of -1 at 8
+    close(overlong_penalty(torch.tensor([3, 4, 6, 8]), 8, 4), [0.0, 0.0, -0.5, -1.0])
+    close(overlong_penalty(torch.tensor([1, 7, 8]), 8, 2), [0.0, -0.5, -1.0])
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 # one step = one optimizer step over all 16 training pairs, so `dpo/*` at step s measures the
 # training set after s - 1 updates
 TINY = ("data.prompts_per_step=16", "actor.mini_batch_prompts=16", "data.val_max_prompts=32", "actor.lr=1e-3",
-        "warmstart.steps=20", "warmstart.batch_size=16", "warmstart.stop_accuracy=0", "trainer.total_steps=8",
+        "warmstart.steps=20", "warmstart.stop_accuracy=0", "trainer.total_steps=8",
         "trainer.val_every=4")
 
 
@@ -111,14 +111,14 @@ def test_the_warm_starts_held_out_pairs_score_their_chosen_answer_right_and_the_
         assert task.compute_score(prompt.data_source, answer(pair.rejected), prompt.ground_truth) == 0.0
 
 
-def test_a_warm_start_left_with_fewer_examples_than_a_batch_is_refused(tmp_path):
+def test_a_warm_start_left_with_no_examples_is_refused(tmp_path):
     from rlflow.engine.config import ConfigError, load_config
     from rlflow.engine.data.prompts import Example, Prompt
     from rlflow.pipelines.sft import supervised
 
-    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "warmstart.batch_size=16"], job="dpo")
-    examples = [Example([1, 2], [3, 4])] * 8
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}"], job="dpo")
+    examples: list[Example] = []  # a training set smaller than the held-out prompts (fewer than 32: all, each step)
     dev = [Prompt([1, 2], "arith", "34", None, "")] * 8
-    with pytest.raises(ConfigError, match="the warm start has 8 examples once 8 prompts are held out to measure its "
-                                          "accuracy, fewer than warmstart.batch_size=16"):
+    with pytest.raises(ConfigError, match="the warm start has no examples once 8 prompts are held out to measure "
+                                          "its accuracy: set warmstart.stop_accuracy=0"):
         supervised(cfg, "unused: refused before any stage starts", examples, 0, None, dev)  # type: ignore[arg-type]

@@ -223,7 +223,7 @@ def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_p
 LORA = ["actor.lora_rank=8", "actor.lr=5e-3", "actor.kl_loss_coef=0.05"]  # adapters, the base as the reference
 # the smoke recipe's sizes, for a run of another embedded recipe that is as small
 SMOKE_SIZES = ["data.prompts_per_step=8", "data.val_max_prompts=16", "rollout.samples_per_prompt=4",
-               "rollout.max_new_tokens=4", "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16"]
+               "rollout.max_new_tokens=4", "actor.mini_batch_prompts=4", "warmstart.steps=3"]
 
 
 def test_lora_split_placement_pushes_the_adapters_alone_and_matches_hybrid(tmp_path):
@@ -445,7 +445,7 @@ ALGORITHMS = {
     "demo-agent": ("episode/turns/mean", "episode/tool_calls/mean", "episode/truncated"),
 }
 ONE_TINY_STEP = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.max_new_tokens=4",
-                 "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16", "trainer.total_steps=1",
+                 "actor.mini_batch_prompts=4", "warmstart.steps=3", "trainer.total_steps=1",
                  "trainer.val_every=0", "trainer.val_samples=2")
 
 
@@ -480,7 +480,7 @@ def test_the_warm_start_ends_once_held_out_training_prompts_reach_its_accuracy(t
     few hundred supervised steps get some right; the warm start stops at its first measurement at
     or above warmstart.stop_accuracy, well before warmstart.steps."""
     cmd = [str(BIN / "rlflow"), "train", str(ROOT / "conf" / "smoke.yaml"), f"trainer.output_dir={tmp_path}/out",
-           "warmstart.steps=1000", "warmstart.batch_size=32",
+           "warmstart.steps=1000",
            "warmstart.stop_accuracy=0.01", "trainer.total_steps=1", "trainer.val_every=0"]
     proc = subprocess.run(cmd, env=env(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -17,7 +17,7 @@ from test_e2e import NOISY, history, only_run, rlflow
 
 pytestmark = pytest.mark.slow
 TINY = ("data.prompts_per_step=8", "data.val_max_prompts=8", "rollout.samples_per_prompt=4",
-        "rollout.max_new_tokens=4", "actor.mini_batch_prompts=4", "warmstart.steps=3", "warmstart.batch_size=16",
+        "rollout.max_new_tokens=4", "actor.mini_batch_prompts=4", "warmstart.steps=3",
         "trainer.total_steps=2", "critic.warmup_steps=1", "trainer.val_every=0", "trainer.val_samples=0",
         "trainer.save_every=1")
 CRITIC = ("critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean", "critic/grad_norm",

@@ -38,10 +38,10 @@ def test_reward_model_scores_are_deterministic_and_padding_free(reward_model_dir
     torch.testing.assert_close(rm.score(texts[2:3]), scores[2:3], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rule_weight,model_weight", [(1.0, 1.0), (0.5, 2.0), (0.0, 1.0), (1.0, 0.0)])
+@pytest.mark.parametrize("rule_weight,model_weight", [(1.0, 1.0), (1.0, 2.5), (0.0, 1.0), (1.0, 0.0)])
 def test_score_is_the_weighted_sum_of_rule_and_model(reward_model_dir, rule_weight, model_weight):
-    cfg = load_config(None, [f"reward.model={reward_model_dir}", f"reward.rule_weight={rule_weight}",
-                             f"reward.model_weight={model_weight}"])
+    cfg = load_config(None, [f"reward.model={reward_model_dir}", f"reward.model_weight={model_weight}"]
+                      + ([] if rule_weight else ["reward.function=none"]))
     out = Reward(cfg).score(batch())
     rule = torch.tensor([1.0, 0.0, 0.0, 0.0])  # the built-in arith rule: exact answers only
     model = torch.tensor(direct_scores(reward_model_dir))
@@ -57,7 +57,9 @@ def test_score_is_the_weighted_sum_of_rule_and_model(reward_model_dir, rule_weig
 def test_rules_alone_are_unchanged_and_bad_mixes_fail_early(reward_model_dir, tmp_path):
     out = Reward(load_config(None, [])).score(batch())
     assert out.scores.tolist() == [1.0, 0.0, 0.0, 0.0] and "reward/model/mean" not in out.metrics
-    with pytest.raises(ConfigError, match="rule_weight=0 needs reward.model"):
+    with pytest.raises(ConfigError, match="function=none needs reward.model"):
+        load_config(None, ["reward.function=none"])
+    with pytest.raises(ConfigError, match="is now reward.function=none for no rule"):
         load_config(None, ["reward.rule_weight=0"])
     with pytest.raises(ConfigError, match="must be >= 0"):
         load_config(None, [f"reward.model={reward_model_dir}", "reward.model_weight=-1"])
