@@ -52,6 +52,7 @@ Invariant: after a push every rollout rank's engine holds bit for bit what
 from __future__ import annotations
 
 import datetime
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -346,22 +347,32 @@ def _group(store: Any, rank: int, size: int, device: torch.device, timeout: date
     return nccl(store, rank, size, nccl.Options())
 
 
+PLAN_KEY = "rollout-weights/plan"  # the store's key of the push plan: the parameters' names and shapes
+
+
 class WeightBroadcast:
     """One end of the trainer -> rollout-pool weight group: `rank` 0 is trainer rank 0 (it hosts
     the store at host:port and sends), ranks 1..size-1 are the rollout ranks (they receive). All
-    `size` ends construct it together; then every push is `send` on rank 0 (inside `push_weights`)
-    and `receive` on the others, together."""
+    `size` ends construct it together, rank 0 with the push plan (`weight_shapes` of the trainer),
+    which the others read from the store (`shapes`); then every push is `send` on rank 0 (inside
+    `push_weights`) and `receive` on the others, together."""
 
-    def __init__(self, host: str, port: int, rank: int, size: int, shapes: list[tuple[str, list[int]]],
+    def __init__(self, host: str, port: int, rank: int, size: int, shapes: list[tuple[str, list[int]]] | None,
                  dtype: torch.dtype, device: torch.device, bucket_bytes: int = BUCKET_BYTES,
                  timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+        self.store = tcp_store(host, port, size, rank, timeout)
+        if rank == 0:
+            assert shapes is not None, "the sender has the plan"
+            self.store.set(PLAN_KEY, json.dumps(shapes))
+        else:  # waits, within the store's timeout, for the sender's plan
+            shapes = [(name, list(shape)) for name, shape in json.loads(self.store.get(PLAN_KEY))]
+        self.shapes: list[tuple[str, list[int]]] = shapes
         if any(".lora_" in name for name, _ in shapes):
             dtype = torch.float32  # LoRA adapters, few and merged on arrival: sent at the trainer's precision
         self.rank, self.dtype, self.device = rank, dtype, device
         self.buckets = buckets_of(shapes, dtype.itemsize, bucket_bytes)
         self.bytes_per_push = sum(torch.Size(s).numel() for _, s in shapes) * dtype.itemsize
         # A group of its own: each pool already has its default group, and dist.new_group cannot span two.
-        self.store = tcp_store(host, port, size, rank, timeout)
         store = dist.PrefixStore("rollout-weights", self.store)
         self.group = _group(store, rank, size, device, timeout)
 

@@ -414,10 +414,9 @@ def build(cls: type[T], pool: Pool, kwargs: Callable[[int], dict], timeout: floa
 def connect(policy: Group[PolicySender], rollout: Group[Rollout], timeout: float) -> None:
     """Split placement: trainer rank 0 hosts the weight group and every rollout rank joins it, all at once."""
     host, port = ray.get(policy.workers[0].address.remote(), timeout=timeout)
-    plan = wait([policy.at(0, PolicySender.weight_plan)], SUBMIT, timeout)[0]
     size = rollout.size + 1
     wait([policy.at(0, PolicySender.connect_rollout, host, port, size)] +
-         [rollout.at(r, Rollout.connect, host, port, size, plan) for r in range(rollout.size)], SUBMIT, timeout)
+         [rollout.at(r, Rollout.connect, host, port, size) for r in range(rollout.size)], SUBMIT, timeout)
 
 
 Graph = Callable[[Stages, list[Any]], tuple[list[Any], list[Any]]]

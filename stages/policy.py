@@ -219,15 +219,12 @@ class PolicySender(Policy):
 
     link: WeightBroadcast | None = None  # rank 0: the weight group to the rollout pool
 
-    def weight_plan(self) -> list[tuple[str, list[int]]]:
-        """What a rollout rank needs to receive a push: the trainer's parameter names and shapes."""
-        return weight_shapes(self.engine.model)
-
     def connect_rollout(self, host: str, port: int, size: int) -> None:
         """Rank 0: host the weight group of this rank and the `size` - 1 rollout ranks, which
-        join it at host:port at the same time."""
-        self.link = WeightBroadcast(host, port, 0, size, self.weight_plan(), weights_dtype(self.cfg.rollout.dtype),
-                                    self.engine.device)
+        join it at host:port at the same time and read the push plan (the trainer's parameter
+        names and shapes) from it."""
+        self.link = WeightBroadcast(host, port, 0, size, weight_shapes(self.engine.model),
+                                    weights_dtype(self.cfg.rollout.dtype), self.engine.device)
 
     def push_weights(self, update: Update | None) -> int:
         """The current weights and their version (returned) to the rollout pool: those of `update`,

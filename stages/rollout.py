@@ -142,15 +142,15 @@ class Rollout:
         return [p for x in every for p in x], slice(start, start + len(prompts))
 
     # -- split placement -------------------------------------------------------------------
-    def connect(self, host: str, port: int, size: int, shapes: list[tuple[str, list[int]]]) -> None:
-        """Join the weight group hosted by trainer rank 0 at host:port, as its rank 1 + this rank;
-        `shapes` is the trainer's push plan (`engine.reshard.weight_shapes`)."""
+    def connect(self, host: str, port: int, size: int) -> None:
+        """Join the weight group hosted by trainer rank 0 at host:port, as its rank 1 + this rank,
+        and take the trainer's push plan from it (`engine.reshard.weight_shapes`)."""
         dtype = weights_dtype(self.cfg.rollout.dtype)  # bf16 for fp8: quantised on arrival
-        self.link = WeightBroadcast(host, port, 1 + self.rank, size, shapes, dtype, self.device)
+        self.link = WeightBroadcast(host, port, 1 + self.rank, size, None, dtype, self.device)
         a = self.cfg.actor
         if a.lora_rank:  # the trainer pushes adapters: merge them beside a copy of the base
-            self.sink = lora.Merger(self.engine, self.model_path, [n for n, _ in shapes], a.lora_alpha / a.lora_rank,
-                                    DTYPES[self.cfg.model.dtype], self.device)
+            self.sink = lora.Merger(self.engine, self.model_path, [n for n, _ in self.link.shapes],
+                                    a.lora_alpha / a.lora_rank, DTYPES[self.cfg.model.dtype], self.device)
 
     def pull_weights(self, update: Update | None) -> int:
         """Take the trainer's weights (every rollout rank, with every actor rank's `push_weights`):

@@ -160,8 +160,9 @@ def _split_worker(rank: int, ports: tuple[int, int], model_dir: str, backend: st
     trainer = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
     shapes = weight_shapes(trainer)
     here = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-    connect = lambda group_rank: WeightBroadcast("127.0.0.1", ports[1], group_rank, 1 + rollouts, shapes,  # noqa: E731
-                                                 torch.bfloat16, here, bucket_bytes=64 * 1024)
+    connect = lambda group_rank: WeightBroadcast("127.0.0.1", ports[1], group_rank, 1 + rollouts,  # noqa: E731
+                                                 None if group_rank else shapes, torch.bfloat16, here,
+                                                 bucket_bytes=64 * 1024)  # a receiver reads the plan from the store
     if rank < trainers:
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{ports[0]}",
                                 rank=rank, world_size=trainers)
