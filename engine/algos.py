@@ -36,7 +36,9 @@ KL_ESTIMATORS = ("k1", "abs", "k2", "k3", "low_var_kl")  # actor.kl_loss_type
 # then carry; the others are not (InstructGPT's penalty, verl's and OpenRLHF's PPO default).
 REWARD_KL = "k1"
 NO_CORRECTION = "none"
-ROLLOUT_CORRECTIONS = (NO_CORRECTION, "token_tis", "seq_tis", "token_mask", "seq_mask")  # algorithm.rollout_correction
+EXACT = "exact"  # no gap to correct: the rollout and the trainer compute each logprob alike (engine/exact.py)
+# algorithm.rollout_correction
+ROLLOUT_CORRECTIONS = (NO_CORRECTION, "token_tis", "seq_tis", "token_mask", "seq_mask", EXACT)
 WHOLE_SEQUENCE = ("gspo", "seq-mean-token-mean", "seq_tis", "seq_mask")  # a ratio or mean over a row's tokens
 
 
@@ -373,7 +375,8 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kin
     step's updates), and their metrics. With w = old / rollout, ``kind`` is one of
     ``ROLLOUT_CORRECTIONS``:
 
-    - "none": 1;
+    - "none", "exact": 1 (exact: deterministic mode, where the gap is 0 by construction and
+      `mismatch_kl` shows it);
     - "token_tis": min(w_t, cap), truncated importance sampling per token; with the trainer's
       pre-update policy as the proximal one, this is decoupled PPO's weight, capped;
     - "seq_tis": min(prod_t w_t, cap) on every token of a sequence;
@@ -396,7 +399,7 @@ def rollout_correction(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, kin
             -1, keepdim=True).clamp(min=1)
         log_w = seq.clamp(-20.0, 20.0).expand_as(log_w)  # [N, T]: the sequence's, on each of its tokens
     w = torch.exp(log_w)
-    if kind == "none":
+    if kind in (NO_CORRECTION, EXACT):
         weights, corrected = torch.ones_like(w), torch.zeros_like(w, dtype=torch.bool)
     elif kind.endswith("tis"):
         weights, corrected = w.clamp(max=cap), w > cap

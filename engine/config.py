@@ -118,7 +118,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0  # weight of a per-token KL to the reference in the reward (reinforce_pp, gae); 0 = none
     kl_target: float = 0.0  # > 0 makes that weight adaptive, starting from kl_coef
     dynamic_sampling_tries: int = 0  # DAPO: > 0 drops groups with equal rewards, generating up to this many rounds
-    rollout_correction: str = "none"  # none | token_tis | seq_tis | token_mask | seq_mask: the rollout/trainer gap
+    rollout_correction: str = "none"  # rollout/trainer gap: none | token_tis | seq_tis | token_mask | seq_mask | exact
     rollout_correction_cap: float = 2.0  # tis: weights capped at this; mask: kept within [1/cap, cap]
 
 
@@ -456,6 +456,12 @@ def name_of(cfg: Config, job: str) -> str:
     return job if job != "rl" else run_label(cfg)
 
 
+def deterministic(cfg: Config) -> bool:
+    """Deterministic mode (`algorithm.rollout_correction=exact`, engine/exact.py): the rollout engine
+    and the trainer compute each token's numbers alike, whatever the batch."""
+    return cfg.algorithm.rollout_correction == algos.EXACT
+
+
 def job_of(cfg: Config) -> str:
     """rl, sft or dpo: what the command runs (`algorithm.name` holds sft and dpo as they are)."""
     return cfg.algorithm.name if cfg.algorithm.name in ("sft", "dpo") else "rl"
@@ -560,6 +566,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"actor.dual_clip must be 0 (off) or > 1, and needs a ppo/gspo loss; got {a.dual_clip} "
                           f"with actor.policy_loss={a.policy_loss}")
     _validate_dapo(cfg)
+    _validate_deterministic(cfg)
     _validate_critic(cfg)
     _validate_scoring(cfg)
     if cfg.algorithm.kl_target and not cfg.algorithm.kl_coef:
@@ -669,6 +676,22 @@ def _validate_async(cfg: Config) -> None:
     if cfg.algorithm.dynamic_sampling_tries or estimator_of(cfg.algorithm.advantage).greedy_baseline:
         raise ConfigError(f"{mode}: dynamic sampling and ReMax generate again from the current weights inside the "
                           "step; run them with trainer.max_staleness=0")
+
+
+def _validate_deterministic(cfg: Config) -> None:
+    """Deterministic mode holds where its kernels exist (engine/exact.py): name what stands in its way."""
+    if not deterministic(cfg):
+        return
+    a, r, p = cfg.actor, cfg.rollout, cfg.placement
+    against = {"rollout.backend": (r.backend, "native"), "placement.gpus_per_worker": (p.gpus_per_worker, 0),
+               "model.dtype": (cfg.model.dtype, "float32"), "placement.torch_threads": (p.torch_threads, 1),
+               "actor.lora_rank": (a.lora_rank, 0), "rollout.tp": (r.tp, 1), "actor.sp": (a.sp, 1),
+               "actor.compile_layers": (a.compile_layers, False), "actor.share_prompts": (a.share_prompts, False)}
+    wrong = [f"{key}={got} (needs {want})" for key, (got, want) in against.items() if got != want]
+    if wrong:
+        raise ConfigError("algorithm.rollout_correction=exact (deterministic mode) runs the native engine and the "
+                          "trainer on the CPU in float32, one thread a worker, full weights, no tensor or sequence "
+                          f"parallelism, no compiled layers or shared prompts; here: {', '.join(wrong)}")
 
 
 def _validate_scoring(cfg: Config) -> None:

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from rlflow.engine import algos
 from rlflow.engine.batch import Batch, Update
-from rlflow.engine.config import Config, longest_row
+from rlflow.engine.config import Config, deterministic, longest_row
 from rlflow.engine.reshard import WeightBroadcast, full_tensors, push_weights, weight_shapes
 from rlflow.engine.rollout.build import weights_dtype
 from rlflow.engine.tensors import peak_memory
@@ -56,7 +56,8 @@ class Policy:
                                   a.lr_schedule, cfg.model.dtype, device, **memory.settings(cfg),
                                   sp=a.sp, compile_layers=a.compile_layers, share_prompts=a.share_prompts,
                                   lora=lora.lora_config(a.lora_rank, a.lora_alpha, a.lora_targets)
-                                  if a.lora_rank else None, seed=cfg.trainer.seed)
+                                  if a.lora_rank else None, seed=cfg.trainer.seed,
+                                  deterministic=deterministic(cfg))
         self.model_path = model_path
         self.longest = longest_row(cfg) * (2 if cfg.algorithm.name == "dpo" else 1)  # DPO: a pair side by side
         self.weight_version = 0

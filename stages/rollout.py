@@ -37,7 +37,7 @@ from transformers import AutoTokenizer
 
 from rlflow.engine.agents.episodes import run_episodes
 from rlflow.engine.batch import Batch, RolloutRequest, Update
-from rlflow.engine.config import Config
+from rlflow.engine.config import Config, deterministic
 from rlflow.engine.reshard import WeightBroadcast
 from rlflow.engine.rollout.base import SamplingParams
 from rlflow.engine.rollout.build import build_rollout, weights_dtype
@@ -58,7 +58,7 @@ class Rollout:
         self.engine = build_rollout(r.backend, self.tokenizer, model_path, r.dtype, device,
                                     cfg.data.max_prompt_tokens + (r.episode_tokens if self.env else r.max_new_tokens),
                                     -(-cfg.data.prompts_per_step * r.samples_per_prompt // world) * r.tp,
-                                    r.kv_cache_memory, self.tp if r.tp > 1 else None)
+                                    r.kv_cache_memory, self.tp if r.tp > 1 else None, deterministic(cfg))
         self.weight_version = 0
         self.link: WeightBroadcast | None = None
         self.sink: Any = self.engine  # what a push loads into: the engine, or a LoRA Merger in front of it

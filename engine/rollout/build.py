@@ -19,13 +19,16 @@ def weights_dtype(dtype: str) -> torch.dtype:
 
 
 def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, device: str, max_len: int,
-                  max_slots: int, kv_cache_memory: float, tp: Any = None) -> RolloutEngine:
+                  max_slots: int, kv_cache_memory: float, tp: Any = None, deterministic: bool = False) -> RolloutEngine:
     """A rollout engine with its own copy of the model in `model_dir`, in `dtype` on `device`,
     kept in sync with the trainer through `load_weights` (or, for native, engine/reshard.py),
     running up to `max_slots` sequences at once (native: fewer if its KV cache would overflow
     `kv_cache_memory`, a fraction of free GPU memory). Native only: `tp` (an
     `engine.rollout.model.TP`) holds this rank's tensor-parallel piece. `dtype` fp8: native on a
-    CUDA GPU of compute capability 8.9+ only (a RuntimeError elsewhere)."""
+    CUDA GPU of compute capability 8.9+ only (a RuntimeError elsewhere). `deterministic`: native on
+    the CPU only, each token computed alone (engine/exact.py)."""
+    if deterministic and (backend != "native" or torch.device(device).type != "cpu"):
+        raise RuntimeError(f"deterministic mode runs the native backend on the CPU; got {backend} on {device}")
     if dtype == "fp8" and backend != "native":
         raise RuntimeError(f"rollout.dtype=fp8 needs rollout.backend=native, got {backend}")
     if dtype == "fp8":
@@ -41,6 +44,8 @@ def build_rollout(backend: str, tokenizer: Any, model_dir: str, dtype: str, devi
         from rlflow.engine.rollout.native import NativeRollout
 
         model = NativeCausalLM.from_pretrained(model_dir, torch_dtype, device, **({"tp": tp} if tp else {}))
+        if deterministic:
+            model.exact()
         return checked(NativeRollout(model, tokenizer,
                                      max_slots=max_slots, max_len=max_len, memory_fraction=kv_cache_memory))
     if backend == "vllm":

@@ -15,7 +15,10 @@ Invariants:
 - RMSNorm and RoPE follow transformers' numerics (float32 norm, rotate-half RoPE);
 - built with `quantize=True` (`rollout.dtype=fp8`), the decoder's projections keep their weights in
   float8 e4m3 with a float32 scale per output row (engine/rollout/fp8.py), quantised whenever
-  weights are written (`load`, engine/reshard.py); every other parameter is bf16.
+  weights are written (`load`, engine/reshard.py); every other parameter is bf16;
+- `exact()` (deterministic mode, engine/exact.py): each token's numbers as transformers' model
+  computes them under the same mode, bit for bit, whatever its batch: each projection of a fused
+  pair alone and each row alone, each token's attention over its own cached keys.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from rlflow.engine import exact
 from rlflow.engine.rollout import fp8, kernels
 from rlflow.engine.tensors import consecutive_group, fused
 from rlflow.engine.vmm import StableBuffer
@@ -104,7 +108,10 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 class FusedLinear(nn.Linear):
     """Column parallel: several HF projections of the same input, each split along its output
-    dim over the TP ranks, this rank's pieces stacked into one matmul."""
+    dim over the TP ranks, this rank's pieces stacked into one matmul (deterministic: one each,
+    as transformers' separate projections)."""
+
+    exact = False
 
     def __init__(self, in_features: int, shards: dict[str, int], bias: bool, tp: TP) -> None:
         super().__init__(in_features, sum(shards.values()) // tp.size, bias=bias)
@@ -122,11 +129,16 @@ class FusedLinear(nn.Linear):
         return Cut(0, self.tp.rank * rows, rows, self.offsets[shard])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            biases = self.bias.split(self.sizes) if self.bias is not None else [None] * len(self.sizes)
+            return torch.cat([exact.linear(x, w, b) for w, b in zip(self.weight.split(self.sizes), biases)], -1)
         return project(self, x)
 
 
 class RowLinear(nn.Linear):
     """Row parallel: the input dim split over the TP ranks, partial outputs summed by all-reduce."""
+
+    exact = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TP) -> None:
         super().__init__(in_features // tp.size, out_features, bias=bias)
@@ -141,7 +153,7 @@ class RowLinear(nn.Linear):
         return Cut(zero=self.tp.rank != 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = project(self, x)
+        out = exact.linear(x, self.weight, self.bias) if self.exact else project(self, x)
         if self.tp.size > 1:
             torch.distributed.all_reduce(out, group=self.tp.group)
         return out
@@ -269,6 +281,8 @@ def head_dim(cfg: Any) -> int:
 
 
 class Attention(nn.Module):
+    exact = False
+
     def __init__(self, cfg: Any, layer: int, tp: TP) -> None:
         super().__init__()
         self.layer = layer
@@ -292,6 +306,9 @@ class Attention(nn.Module):
         v = v.view(B, S, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.exact:
+            q, k = rope(q, k, ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2))
+            return self.o_proj(self._exact(q, k, v, ctx).reshape(B, S, -1))
         if ctx.kv_lens is not None:  # decode rotates q and k itself, inside the attention kernel
             return self.o_proj(self._decode(q, k, v, ctx).reshape(B, S, -1))
         q, k = rope(q, k, ctx.cos.unsqueeze(2), ctx.sin.unsqueeze(2))
@@ -319,6 +336,29 @@ class Attention(nn.Module):
                 mask = causal_lower_right(S, end)  # flash on CUDA; a [S, end] mask would run the math kernel
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+
+    def _exact(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+        """Deterministic mode: this call's K/V written where they belong (prefill, a later chunk, a
+        continued row, decode), then each token attends over its own keys alone (`exact.attend`).
+        q, k, v [B, S, heads, D] rotated -> [B, S, heads, D]."""
+        B, S = q.shape[:2]
+        scale = self.head_dim ** -0.5
+        if ctx.cache is None:  # a plain causal forward over right-padded rows
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, KV, S, D]
+            return torch.stack([exact.causal(q[b], keys[b], values[b], scale) for b in range(B)])
+        assert ctx.cache.k is not None and ctx.cache.v is not None, "KV cache released"
+        ck, cv = ctx.cache.k[self.layer], ctx.cache.v[self.layer]  # [slots, KV, L, D]
+        if ctx.kv_lens is not None:  # decode: row i is slot i, its token at column kv_lens[i]
+            slots, cols = torch.arange(B, device=q.device), ctx.kv_lens[:, None]
+        else:
+            assert ctx.slots is not None
+            start = ctx.start if isinstance(ctx.start, torch.Tensor) else torch.full((B,), ctx.start, device=q.device)
+            slots, cols = ctx.slots, start[:, None] + torch.arange(S, device=q.device)  # [B, S]
+        cols = cols.clamp(max=ck.shape[2] - 1)  # a short row's padding, past its slot's end
+        ck[slots[:, None], :, cols], cv[slots[:, None], :, cols] = k, v  # [B, S, KV, D] at (slot, col)
+        ends = (cols + 1).tolist()
+        return torch.stack([torch.stack([exact.attend(q[b, s], ck[slot, :, :end], cv[slot, :, :end], scale)
+                                         for s, end in enumerate(ends[b])]) for b, slot in enumerate(slots.tolist())])
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
         """Rotate q and k, append row i's token to slot i at kv_lens[i]; attend over the slot's first
@@ -431,6 +471,7 @@ class NativeCausalLM(nn.Module):
         self.weights: StableBuffer | None = None  # on CUDA, where `materialize` put every parameter
         self.writes = 0  # how many times the weights were (re)written: a KV cache made before is stale
         self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}  # `_rope_table`
+        self.deterministic = False  # `exact()`
 
     def materialize(self, device: str | torch.device, dtype: torch.dtype) -> NativeCausalLM:
         """Uninitialised storage in `dtype` for a model built on the meta device (fp8 weights and
@@ -457,6 +498,19 @@ class NativeCausalLM(nn.Module):
             setattr(self.get_submodule(owner), leaf, nn.Parameter(self.weights.view(kind, tuple(p.shape), at),
                                                                   requires_grad=False))
             at += n
+        return self
+
+    def exact(self) -> NativeCausalLM:
+        """Deterministic mode (engine/exact.py): every projection, attention and the lm_head
+        computed per token, as the trainer's model computes them in that mode. Eager only: the
+        engine runs no CUDA graphs or Triton kernels with it, and one tensor-parallel rank."""
+        if self.tp.size > 1 or self.weights is not None or any(
+                p.dtype == fp8.FP8 for p in self.parameters()):
+            raise RuntimeError("deterministic mode runs on the CPU, on one tensor-parallel rank, without fp8")
+        self.deterministic = True
+        for m in self.modules():
+            if isinstance(m, (FusedLinear, RowLinear, Attention)):
+                m.exact = True
         return self
 
     def release_weights(self) -> None:
@@ -592,4 +646,6 @@ class NativeCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.deterministic:
+            return exact.linear(hidden, weight)
         return F.linear(hidden, weight)  # [B, V] in the weights' dtype; sampling upcasts

@@ -57,10 +57,10 @@ def sample(logits: torch.Tensor, params: SamplingParams,
         noise = torch.rand(logits.shape, generator=generator, device=logits.device)
         return gumbel_pick(logits, noise, params.temperature)
     scaled = logits.float() / (params.temperature or 1.0)
-    logp = torch.log_softmax(scaled, -1)
     if params.temperature == 0:
         tokens = logits.argmax(-1)
     else:
         probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    # the picked logit less the logsumexp, as the trainer computes it (algos.token_logprobs)
+    return tokens, scaled.gather(-1, tokens[:, None])[:, 0] - torch.logsumexp(scaled, -1)

@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers.utils import is_flash_attn_2_available
 
-from rlflow.engine import algos, progress
+from rlflow.engine import algos, exact, progress
 from rlflow.engine.checkpoint import load_shards
 from rlflow.engine.tensors import consecutive_group, fused, to_device
 from rlflow.engine.train import memory, ulysses, varlen
@@ -325,7 +325,7 @@ class TrainEngine:
                  root: Any = None, checkpointing: bool | None = False, model_cls: Any = AutoModelForCausalLM,
                  sp: int = 1, compile_layers: bool = False, share_prompts: bool = False,
                  lora: LoraConfig | None = None, seed: int = 0, micro_tokens: int = 0, share: int = 1,
-                 **model_kwargs: Any) -> None:
+                 deterministic: bool = False, **model_kwargs: Any) -> None:
         """`model_cls.from_pretrained(model_path, **model_kwargs)` is the trained module; `root(module)`
         (default `ResponseLM`) the FSDP2 root every forward runs through; `checkpointing` recomputes each
         decoder layer's activations in backward instead of keeping them; `micro_tokens` is a
@@ -334,7 +334,9 @@ class TrainEngine:
         forwards sequence-parallel over groups of `sp` consecutive ranks, which must pass the same rows;
         `share_prompts` picks the attention that shared-prompt forwards need (`attn_implementation`);
         `lora` trains PEFT adapters (engine/train/lora.py, drawn from `seed`) on a frozen base kept in `dtype`: nothing
-        updates it, so it needs no float32 master copy, and the optimizer holds the adapters' state only."""
+        updates it, so it needs no float32 master copy, and the optimizer holds the adapters' state only;
+        `deterministic` computes each token's numbers alone (engine/exact.py), as the native rollout
+        engine does in that mode."""
         root = root or ResponseLM
         self.device = torch.device(device)
         process_group(self.device)
@@ -342,8 +344,11 @@ class TrainEngine:
             raise ValueError("sequence parallelism runs only the ResponseLM root's forwards")
         sp_group = consecutive_group(sp) if sp > 1 else None  # collective: before any other group
         attn = ulysses.NAME if sp > 1 else attn_implementation(self.device, DTYPES[dtype], share_prompts)
+        attn = exact.NAME if deterministic else attn
         self.model: Any = model_cls.from_pretrained(model_path, dtype=DTYPES[dtype] if lora else torch.float32,
                                                     attn_implementation=attn, **model_kwargs)
+        if deterministic:
+            exact.per_row(self.model)
         if lora is not None:
             add_adapters(self.model, lora, seed)
         self.lora = lora

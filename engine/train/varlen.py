@@ -14,6 +14,10 @@ The trainer finds these boundaries on the host before a forward and hands them t
 Without it (another caller), the layers find them themselves, once per forward, at the cost of
 a device sync and a graph break in each layer.
 
+Deterministic mode (engine/exact.py) runs the same sequences through `exact_attention`
+(attn_implementation `exact.NAME`): each query against its own keys alone, as the rollout engine
+runs it, so a token's output does not depend on its row, its padding or its packing.
+
 Invariants:
 - outputs equal SDPA's on the same rows (up to kernel rounding), packed or padded;
 - a forward with a KV cache (query and key lengths differ) is refused: this is the trainer's
@@ -30,6 +34,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
+from rlflow.engine import exact
 from rlflow.engine.tensors import to_device
 
 NAME = "varlen"
@@ -75,7 +80,7 @@ def given(model: Any, position_ids: torch.Tensor | None, mask: torch.Tensor | No
     (`sequences`), on `device`; none unless the model runs this attention. Found before the
     forward, on the host where the rows are: the compiled layers then trace whole, without the
     graph break and the per-forward device sync of finding them inside (`_shared_sequences`)."""
-    if getattr(model.config, "_attn_implementation", None) != NAME:
+    if getattr(model.config, "_attn_implementation", None) not in (NAME, exact.NAME):
         return {}
     if mask is not None and bool(mask.all()):  # what transformers hands the layers for unpadded rows
         mask = None
@@ -152,5 +157,28 @@ def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position
     return out.new_zeros(b * s, heads, d).index_copy(0, keep, out).view(b, s, heads, d)
 
 
+def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Deterministic mode's attention (`exact.causal`, a query at a time) of each sequence, as
+    `attention` finds them: q [B, heads, S, D], k/v [B, kv_heads, S, D] -> [B, S, heads, D]."""
+    if key.shape[2] != query.shape[2] or (dropout and module.training):
+        raise NotImplementedError("deterministic attention runs whole sequences, without dropout")
+    b, heads, s, d = query.shape
+    keep, cu, _ = kwargs.get(KWARG) or _shared_sequences(kwargs["position_ids"], attention_mask, b)
+    q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
+    if keep is not None:
+        q, k, v = q[keep], k[keep], v[keep]
+    scale = d ** -0.5 if scaling is None else scaling
+    bounds = cu.tolist()
+    out = torch.cat([exact.causal(q[a:e], k[a:e].transpose(0, 1), v[a:e].transpose(0, 1), scale)
+                     for a, e in zip(bounds[:-1], bounds[1:])])
+    if keep is None:
+        return out.view(b, s, heads, d), None
+    return out.new_zeros(b * s, heads, d).index_copy(0, keep, out).view(b, s, heads, d), None
+
+
 AttentionInterface.register(NAME, attention)  # models loaded with attn_implementation="varlen" call it
 ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, flash_attention_mask)  # padded rows: the 2-D mask, or None
+AttentionInterface.register(exact.NAME, exact_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(exact.NAME, flash_attention_mask)

@@ -72,6 +72,10 @@ def test_malformed_yaml_is_one_line_naming_the_file_and_place(tmp_path):
     ("algorithm.kl_coef=0.001", "kl_coef > 0 needs an advantage that reads per-token rewards"),
     (["algorithm.advantage=gae", "algorithm.kl_target=0.1"], "adapts algorithm.kl_coef, which is 0"),
     ("algorithm.kl_in_reward=true", "is now algorithm.kl_coef > 0"),
+    (["algorithm.rollout_correction=exact", "rollout.backend=vllm"], "exact \\(deterministic mode\\) runs the native "
+                                                                    "engine.*rollout.backend=vllm \\(needs native\\)"),
+    (["algorithm.rollout_correction=exact", "actor.lora_rank=8", "placement.gpus_per_worker=1"],
+     "placement.gpus_per_worker=1.0 \\(needs 0\\).*actor.lora_rank=8 \\(needs 0\\)"),
     ("algorithm.kl_penalty=k3", "is now a constant: the KL in the reward is k1"),
     ("actor.policy_loss=trpo", "choose one of"),
     (["actor.policy_loss=cispo", "actor.dual_clip=3"], "needs a ppo/gspo loss"),

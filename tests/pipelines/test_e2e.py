@@ -198,6 +198,22 @@ def test_plain_mode_gives_identical_metrics(compiled_run, tmp_path):
     assert steady_history(compiled_run) == steady_history(tmp_path)
 
 
+def test_deterministic_mode_closes_the_rollout_trainer_gap_and_repeats_exactly(compiled_run, tmp_path):
+    """algorithm.rollout_correction=exact: at every step the rollout's logprobs equal the trainer's
+    old ones bit for bit (mismatch 0, probability gap 0, correction weights 1), where the default
+    mode's differ in their last bits; a second run, through plain calls this time, logs the same
+    numbers."""
+    for run, extra in (("a", ()), ("b", ("trainer.dag=plain",))):
+        (tmp_path / run).mkdir()
+        rlflow(tmp_path / run, "out", "algorithm.rollout_correction=exact", *extra)
+    exact, again = steady_history(tmp_path / "a"), steady_history(tmp_path / "b")
+    assert exact == again
+    for key in ("rollout_correction/mismatch_kl", "training/rollout_probs_diff_max"):
+        assert [v for _, v in exact[key]] == [0.0, 0.0, 0.0], key
+    assert [v for _, v in exact["rollout_correction/weight_max"]] == [1.0, 1.0, 1.0]
+    assert max(v for _, v in steady_history(compiled_run)["training/rollout_probs_diff_max"]) > 0
+
+
 def test_split_placement_gives_identical_metrics_and_resumes(compiled_run, tmp_path):
     """The rollout in a pool of its own, fed by the trainer's broadcast after every update: the same
     samples, so the same numbers, as the hybrid run on CPU fp32; the rollout's weight version rises
