@@ -29,10 +29,27 @@ from torch import Tensor, nn
 NAME = "rlflow_exact"  # transformers' attn_implementation of the trainer's model in this mode
 
 
+class _PerRow(torch.autograd.Function):
+    """Forward row by row; backward as plain products: only the forward's numbers must not depend
+    on the batch, and autograd through the expanded weight would hold a [M, K, N] gradient."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        rows = x.reshape(-1, 1, x.shape[-1])  # [M, 1, K]
+        return torch.bmm(rows, weight.t().expand(rows.shape[0], -1, -1)).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
+        g = grad.reshape(-1, weight.shape[0])  # [M, N]
+        return ((g @ weight).view(x.shape) if ctx.needs_input_grad[0] else None,  # type: ignore[attr-defined]
+                g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None)  # type: ignore[attr-defined]
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [..., K] @ weight.T [K, N] (+ bias), each row its own [1, K] x [K, N] product."""
-    rows = x.reshape(-1, 1, x.shape[-1])  # [M, 1, K]
-    out = torch.bmm(rows, weight.t().expand(rows.shape[0], -1, -1)).view(*x.shape[:-1], weight.shape[0])
+    out = _PerRow.apply(x, weight)
     return out if bias is None else out + bias
 
 

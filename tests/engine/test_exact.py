@@ -34,6 +34,19 @@ def test_a_row_of_a_product_is_the_same_in_any_batch_and_any_split_of_the_output
     torch.testing.assert_close(whole, torch.nn.functional.linear(x, w, b))
 
 
+def test_its_gradients_are_a_plain_products_and_hold_no_batch_of_weights():
+    """Training in the mode: the backward is F.linear's, without the [rows, K, N] gradient that
+    autograd through a weight expanded over the rows would build (151k-token vocabularies)."""
+    g = torch.Generator().manual_seed(1)
+    x, w, b = (torch.randn(*shape, generator=g, requires_grad=True) for shape in ((3, 5, 16), (12, 16), (12,)))
+    grad = torch.randn(3, 5, 12, generator=g)
+    exact.linear(x, w, b).backward(grad)
+    want = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    torch.nn.functional.linear(*want).backward(grad)
+    for got, ref in zip((x, w, b), want):
+        torch.testing.assert_close(got.grad, ref.grad)
+
+
 def rollout_and_trainer(model_dir, deterministic: bool) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
     """(rollout logprobs, trainer logprobs) [N, R] of one engine's answers, each way the trainer
     batches them, for a first turn and for a second that continues it."""
