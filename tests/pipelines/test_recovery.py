@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_e2e import BIN, ROOT, env, only_run, stage_workers
+from test_e2e import BIN, ROOT, env, fault_after_step_2, only_run, stage_workers
 
 from rlflow.engine.data import task
 
@@ -89,3 +89,68 @@ def test_a_lost_worker_is_rebuilt_and_the_run_finishes(job, fault, tmp_path, mod
     assert run.info.status == "FINISHED" and (tmp_path / "out" / "hf_model" / "config.json").is_file()
     if job == "sft":  # the run names the id, and the commit its workers loaded
         assert (run.data.tags["model"], run.data.tags["model_commit"]) == (hub_cache[1], "a" * 40)
+
+
+STOPS_BEFORE_A_PUSH = """
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from rlflow.engine import progress
+from rlflow.engine.agents.env import Step
+
+HERE = Path(__file__).parent
+
+
+def stop_once_idle():
+    # once this process's generation is over (no engine step for 0.3 s), stop it: the next call it
+    # gets is the trainer's weight push, which then never returns
+    last, since = progress.done(), time.time()
+    while time.time() - since < 0.3:
+        time.sleep(0.02)
+        if progress.done() != last:
+            last, since = progress.done(), time.time()
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class StopsOnce:
+    def __init__(self, prompt):
+        self.truth = prompt.ground_truth
+        if (HERE / "fault").exists() and not (HERE / "faulted").exists():
+            (HERE / "faulted").touch()
+            threading.Thread(target=stop_once_idle, daemon=True).start()
+
+    def step(self, response):
+        return Step(None, float(response.strip() == self.truth), True)
+"""
+
+
+def test_a_weight_push_that_never_returns_is_explained_and_the_run_finishes(tmp_path):
+    """Split placement: the rollout worker stops (as a hung process would) between its generation
+    and the trainer's weight push, so the push never returns. The watchdog finds the step stuck,
+    names the trainer's rank in the push and the stopped rollout worker, keeps their stacks with
+    the run, rebuilds every worker from the last checkpoint, and the run trains every step."""
+    (tmp_path / "stops_once.py").write_text(STOPS_BEFORE_A_PUSH)
+    args = [str(BIN / "rlflow"), "train", f"trainer.output_dir={tmp_path}/out", "placement.own_pool=[rollout]",
+            "trainer.val_every=0", f"rollout.env={tmp_path / 'stops_once.py'}:StopsOnce", "rollout.max_turns=1",
+            "rollout.episode_tokens=8", "trainer.total_steps=5", "trainer.save_every=2", "trainer.max_restarts=1",
+            "warmstart.steps=0", "trainer.stall_timeout_s=8"]
+    staged = tmp_path / "fault.staged"
+    staged.write_text("stop")
+    returncode, output = fault_after_step_2(tmp_path, args, lambda proc: staged.rename(tmp_path / "fault"))
+    assert returncode == 0, output[-3000:]
+    assert (tmp_path / "faulted").exists()
+    assert "a worker made no progress for trainer.stall_timeout_s=8" in output and "restart 1/1" in output, \
+        output[-3000:]
+    # e.g. "hybrid rank 0 (Advantage, PolicySender, Reward; pid 7981): in PolicySender.push_weights
+    # (stages/policy.py:236) > WeightBroadcast._broadcast (engine/reshard.py:383)"
+    assert re.search(r"^  \w+ rank 0 \([\w, ]*PolicySender[\w, ]*; pid \d+\): in PolicySender\.push_weights "
+                     r"\(stages/policy\.py:\d+\) > WeightBroadcast\._broadcast \(engine/reshard\.py:\d+\)", output,
+                     re.MULTILINE), output[-3000:]
+    assert re.search(r"^  rollout rank 0 \(Rollout; pid \d+\): stopped; ", output, re.MULTILINE), output[-3000:]
+    client, run = only_run(tmp_path)
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "trainer/restarts")] == [1]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")][-1] == 5
+    assert client.list_artifacts(run.info.run_id, "hang"), "the stacks are kept with the run"
