@@ -12,8 +12,10 @@ import torch
 from rlflow.engine.algos import (
     ADVANTAGES,
     ESTIMATORS,
+    EXACT,
     KL_ESTIMATORS,
     LOSS_AGGS,
+    NO_CORRECTION,
     POLICY_LOSSES,
     ROLLOUT_CORRECTIONS,
     AdaptiveKLController,
@@ -639,15 +641,18 @@ def test_seq_mask_drops_whole_sequences_by_their_geometric_mean():
 
 
 def test_no_correction_weighs_one_and_equal_policies_change_nothing():
-    w, m = rollout_correction(OLD, ROLLOUT, MASK3, "none", 2.0)
-    close(w, MASK3.tolist())
+    for kind in (NO_CORRECTION, EXACT):  # exact closes the gap in the kernels (engine/exact.py): nothing to weigh
+        w, m = rollout_correction(OLD, ROLLOUT, MASK3, kind, 2.0)
+        close(w, MASK3.tolist())
+        assert float(m["mismatch_kl"]) > 0  # a gap, where there is one, is still measured
     for kind in ROLLOUT_CORRECTIONS:
         w, m = rollout_correction(OLD, OLD, MASK3, kind, 2.0)
         close(w, MASK3.tolist())
         close(m["mismatch_kl"], 0.0)
 
 
-@pytest.mark.parametrize("kind", [k for k in ROLLOUT_CORRECTIONS if k != AlgorithmConfig().rollout_correction])
+@pytest.mark.parametrize("kind", [k for k in ROLLOUT_CORRECTIONS
+                                  if k not in (AlgorithmConfig().rollout_correction, EXACT)])
 def test_every_rollout_correction_value_changes_the_loss(kind: str) -> None:
     rollout = R_OLD + 1.5 * torch.randn(N, T, generator=torch.Generator().manual_seed(1))
     weights, _ = rollout_correction(R_OLD, rollout, R_MASK, kind, AlgorithmConfig().rollout_correction_cap)
