@@ -27,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -144,38 +144,39 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 
 def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position_ids: torch.Tensor | None,
-           mask: torch.Tensor | None, scale: float | None, found: Found | None = None) -> torch.Tensor:
+           mask: torch.Tensor | None, scale: float | None, found: Found | None = None,
+           run: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of each sequence (`sequences`) of rows q [B, heads, S, D], k/v
     [B, kv_heads, S, D] -> [B, S, heads, D], zeros at padding. `found`: the forward's `sequences`,
-    computed before it (`given`); else found here, which breaks a compiled layer's graph."""
+    computed before it (`given`); else found here, which breaks a compiled layer's graph. `run`
+    attends the real tokens, sequence by sequence (default: the varlen kernel, `_run`)."""
     b, heads, s, d = query.shape
     keep, cu, longest = found or _shared_sequences(position_ids, mask, b)
     q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
+    run = run or _run
     if keep is None:
-        return _run(q, k, v, cu, longest, scale).view(b, s, heads, d)
-    out = _run(q[keep], k[keep], v[keep], cu, longest, scale)
+        return run(q, k, v, cu, longest, scale).view(b, s, heads, d)
+    out = run(q[keep], k[keep], v[keep], cu, longest, scale)
     return out.new_zeros(b * s, heads, d).index_copy(0, keep, out).view(b, s, heads, d)
+
+
+def _run_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, longest: int,
+               scale: float | None) -> torch.Tensor:
+    """`_run`'s contract, a query at a time (`exact.causal`): q [T, heads, D], k/v [T, kv_heads, D]."""
+    bounds, scale = cu.tolist(), q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.cat([exact.causal(q[a:e], k[a:e].transpose(0, 1), v[a:e].transpose(0, 1), scale)
+                      for a, e in zip(bounds[:-1], bounds[1:])])
 
 
 def exact_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Deterministic mode's attention (`exact.causal`, a query at a time) of each sequence, as
-    `attention` finds them: q [B, heads, S, D], k/v [B, kv_heads, S, D] -> [B, S, heads, D]."""
+    """Deterministic mode's attention: `attention`'s sequences, each query against its own keys
+    alone (engine/exact.py)."""
     if key.shape[2] != query.shape[2] or (dropout and module.training):
         raise NotImplementedError("deterministic attention runs whole sequences, without dropout")
-    b, heads, s, d = query.shape
-    keep, cu, _ = kwargs.get(KWARG) or _shared_sequences(kwargs["position_ids"], attention_mask, b)
-    q, k, v = (x.transpose(1, 2).reshape(b * s, x.shape[1], d) for x in (query, key, value))
-    if keep is not None:
-        q, k, v = q[keep], k[keep], v[keep]
-    scale = d ** -0.5 if scaling is None else scaling
-    bounds = cu.tolist()
-    out = torch.cat([exact.causal(q[a:e], k[a:e].transpose(0, 1), v[a:e].transpose(0, 1), scale)
-                     for a, e in zip(bounds[:-1], bounds[1:])])
-    if keep is None:
-        return out.view(b, s, heads, d), None
-    return out.new_zeros(b * s, heads, d).index_copy(0, keep, out).view(b, s, heads, d), None
+    return causal(query, key, value, kwargs["position_ids"], attention_mask, scaling, kwargs.get(KWARG),
+                  _run_exact), None
 
 
 AttentionInterface.register(NAME, attention)  # models loaded with attn_implementation="varlen" call it
