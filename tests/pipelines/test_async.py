@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from test_e2e import BIN, fault_after_step_2, history, only_run, rlflow
+from test_e2e import BIN, fault_after_step_2, history, only_run, rlflow, steady_history
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,45 @@ def test_async_trains_at_most_k_versions_behind_and_resumes_without_skipping_a_p
     assert after[7] in (1.0, 2.0)  # queued two steps ahead: the version depends on when the pool started it
     state = json.loads((tmp_path / "out" / "checkpoints" / "step_000007" / "driver.json").read_text())
     assert state["loader"]["position"] == 7 * 8
+
+
+# Three turns whatever the model says, each scored by the length of what it said: the groups'
+# scores differ, so every update moves the weights.
+TALK = """
+from rlflow.engine.agents.env import Step
+
+
+class Talk:
+    def __init__(self, prompt):
+        self.turns = 0
+
+    def step(self, response):
+        self.turns += 1
+        return Step(None if self.turns == 3 else "go on", float(len(response) % 3) / 2, self.turns == 3)
+"""
+
+
+def test_deterministic_mode_repeats_multi_turn_episodes_one_step_off_exactly(tmp_path):
+    """algorithm.rollout_correction=exact, generating one step ahead, three-turn episodes (each
+    later turn continues its history in the engine): two runs at one seed log the same numbers at
+    every step; the first step (nothing ahead yet) has no gap between the rollout's logprobs and
+    the trainer's, the later ones the gap of one weight version."""
+    (tmp_path / "talk.py").write_text(TALK)
+    args = ("placement.own_pool=[rollout]", "trainer.max_staleness=1", "algorithm.rollout_correction=exact",
+            f"rollout.env={tmp_path / 'talk.py'}:Talk", "rollout.max_turns=3", "rollout.max_new_tokens=6",
+            "rollout.episode_tokens=48", "data.prompts_per_step=8", "actor.mini_batch_prompts=4",
+            "warmstart.steps=0", "trainer.total_steps=3", "trainer.val_every=0")
+    for run in ("a", "b"):
+        (tmp_path / run).mkdir()
+        rlflow(tmp_path / run, "out", *args, conf="demo-agent")
+    got, again = ({k: v for k, v in steady_history(tmp_path / run).items() if not k.endswith("time_s")}
+                  for run in ("a", "b"))  # the episodes' wall times vary
+    assert got == again
+    assert got["episode/turns/mean"] == [(1, 3.0), (2, 3.0), (3, 3.0)]
+    assert got["async/staleness/max"] == [(1, 0.0), (2, 1.0), (3, 1.0)]
+    mismatch = [v for _, v in got["rollout_correction/mismatch_kl"]]
+    assert mismatch[0] == 0.0 and min(mismatch[1:]) > 0, mismatch
+    assert min(v for _, v in got["actor/grad_norm"]) > 0
 
 
 FAILS_ONCE = """
