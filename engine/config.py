@@ -176,8 +176,7 @@ class TrainerConfig:
     dag: str = "compiled"  # compiled | plain (.remote() calls, same verbs)
     max_staleness: int = 0  # 0 = synchronous; k: the rollout pool runs up to k steps ahead, samples <= k versions old
     max_restarts: int = 2  # rebuild the workers after a process dies, from the last checkpoint
-    stall_timeout_s: float = 600.0  # no work done this long with a call running: stuck (stacks saved, rebuilt)
-    step_timeout_s: float = 3600.0  # the most any one wait on the workers lasts, moving or not (rebuilt too)
+    stall_timeout_s: float = 600.0  # no work done this long while a call runs or is awaited: stuck, rebuilt
     experiment: str = "rlflow"  # MLflow experiment of the run
     run_name: str = ""  # MLflow run name; "" lets MLflow pick one
     register_model: str = ""  # Model Registry name for the exported policy; "" = don't register
@@ -229,6 +228,8 @@ RENAMED = {  # old key -> what replaced it
     "reward.overlong_penalty": "a constant: DAPO's penalty reaches -1 at rollout.max_new_tokens (engine/algos.py)",
     "algorithm.kl_in_reward": "algorithm.kl_coef > 0 (0, the default, puts no KL in the reward)",
     "algorithm.kl_penalty": "a constant: the KL in the reward is k1 (engine/algos.py, REWARD_KL)",
+    "trainer.step_timeout_s": "trainer.stall_timeout_s: a step's waits last while the workers move, however long; "
+                              "starting a pool has a fixed bound (pipelines/runtime.py, START_TIMEOUT_S)",
 }
 
 
@@ -597,7 +598,6 @@ def _validate_ranges(cfg: Config) -> None:
                 "actor.grad_clip": a.grad_clip,
                 "warmstart.lr": cfg.warmstart.lr,
                 "trainer.keep_last": cfg.trainer.keep_last, "rollout.top_p": r.top_p,
-                "trainer.step_timeout_s": cfg.trainer.step_timeout_s,
                 "trainer.stall_timeout_s": cfg.trainer.stall_timeout_s}
     for key, value in positive.items():
         if value <= 0:

@@ -76,6 +76,7 @@ class Pool:
                                f"{timeout_s:.0f}s; cluster has {ray.cluster_resources()}")
         slots = [(g, i) for g, (_, n) in zip(self.groups, where) for i in range(n)]  # rank -> (group, bundle)
         self.processes: list[tuple[str, int]] = []  # each rank's (node id, pid), where its owner asked
+        self.silence_s = 120.0  # how long a worker may not answer while a stage starts on it, where its owner set it
         # Ray's stubs lack concurrency_groups, and .options() refuses it
         remote_cls: Any = ray.remote(concurrency_groups=concurrency_groups)(worker_cls)  # type: ignore[call-overload]
         self.workers: list[Any] = [

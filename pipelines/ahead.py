@@ -52,21 +52,21 @@ class Ahead:
         while True:
             self._queue(stages, loader, step)
             try:
-                generated = wait(self.queued[0], SUBMIT, stages.timeout)
+                generated = wait(self.queued[0], SUBMIT)
                 break
-            except WORKER_LOST as e:  # a batch past the step timeout: the pool hangs, though it may answer
-                self._rebuild(stages, e, [r for refs in self.queued for r in refs], hung=isinstance(e, TimeoutError))
+            except WORKER_LOST as e:  # a rollout worker died, or was stopped as stuck by the watchdog
+                self._rebuild(stages, e, [r for refs in self.queued for r in refs])
         self.queued.popleft()
         loader.next_batch()
         score = stages.reward.bound(SUBMIT)
-        return wait([score.at(r, Reward.score, b) for r, b in enumerate(generated)], SUBMIT, stages.timeout)
+        return wait([score.at(r, Reward.score, b) for r, b in enumerate(generated)], SUBMIT)
 
     def push(self, stages: Stages, outputs: list[Update]) -> None:
         """The rollout pool receives this step's weights beside the generation queued on it
         (runtime.Broadcast), and takes them as it starts its next batch."""
         push = stages.sync.bound(SUBMIT).after_update(outputs)
         try:
-            wait(push, SUBMIT, stages.timeout)
+            wait(push, SUBMIT)
         except (*WORKER_LOST, ray.exceptions.RayTaskError) as e:  # a push to a dead rank fails on the trainer
             self._rebuild(stages, e, push + [r for refs in self.queued for r in refs])
 
@@ -79,18 +79,18 @@ class Ahead:
             ahead = len(self.queued)
             self.queued.append(submit_rollout(stages.generator, None, loader.peek_batch(ahead), step + ahead))
 
-    def _rebuild(self, stages: Stages, e: Exception, lost: list[Any], hung: bool = False) -> None:
+    def _rebuild(self, stages: Stages, e: Exception, lost: list[Any]) -> None:
         """A rollout worker that died or hangs is replaced while the trainer goes on: a new pool takes
         the trainer's current weights and generates the queued steps again. Any other loss, or more
         than `trainer.max_restarts` of these, goes to the driver (`e` raised), which rebuilds every
-        worker from the last checkpoint. `lost`: the calls given up on; `hung`: the pool's generation
-        ran past the step timeout (a worker stuck in a call still answers `status` on its second
-        thread, so only a dead or stopped one is found by asking)."""
+        worker from the last checkpoint. `lost`: the calls given up on. A rollout worker stuck in a
+        call is found by the driver's watchdog (pipelines/hangs.py), which explains and kills it:
+        it is lost as a dead one is."""
         limit = self.cfg.trainer.max_restarts
-        if self.rebuilds >= limit or not (hung or rollout_lost(stages)):
+        if self.rebuilds >= limit or not rollout_lost(stages):
             raise e
         self.rebuilds += 1
-        why = hangs.lost(how_lost(e, self.cfg.trainer.step_timeout_s), [p for p in stages.pools if p.name == "rollout"],
+        why = hangs.lost(how_lost(e), [p for p in stages.pools if p.name == "rollout"],
                          stages.groups(), Path(self.cfg.trainer.output_dir) / "hang" / f"rollout_{self.rebuilds}",
                          self.tracker)
         print(f"rlflow: a rollout worker {why} ({type(e).__name__})")

@@ -96,7 +96,7 @@ class DPO:
     def validate(self, stages: Stages, step: int) -> dict[str, float]:
         """`val/loss`, `val/reward_margin`, `val/reward_accuracy`, `val/chosen_reward`, `val/rejected_reward`."""
         outputs, _ = step_graph(stages.bound(SUBMIT), self.val, self.loss, held_out=True)
-        results = wait(outputs, SUBMIT, stages.timeout)
+        results = wait(outputs, SUBMIT)
         return {f"val/{k[4:]}": v for k, v in results[0].metrics.items() if k.startswith("dpo/")}
 
     def after_step(self, stages: Stages, outputs: list[Any]) -> None:

@@ -4,7 +4,7 @@ An algorithm is its stages, its step graph and how it reads the step's outputs (
 this loop owns everything else:
     resume -> [validate] -> step inputs -> run the step graph -> metrics -> log -> [checkpoint]
     ... -> final validation, checkpoint and HF export
-A worker that dies or hangs past `trainer.step_timeout_s`, in a step or a validation, has the
+A worker that dies, or stops moving for `trainer.stall_timeout_s`, in a step or a validation, has the
 workers rebuilt from the last complete checkpoint (or the initial model) and the loop goes on,
 up to `trainer.max_restarts` times. A first SIGINT (Ctrl-C) or SIGTERM stops the loop once the
 step running ends, with a checkpoint of it (`Stopped`); a second SIGINT stops at once.
@@ -184,7 +184,7 @@ def run(cfg: Config, algo: Algorithm, loader: PromptLoader, tracker: Tracker) ->
                 with dog.watching(live.stages.pools, live.stages.groups(), f"step_{step:06d}"):
                     step = advance(step)
             except WORKER_LOST as e:  # in the step, a validation or a checkpoint's save
-                why = hangs.lost(how_lost(e, t.step_timeout_s), live.stages.pools, live.stages.groups(),
+                why = hangs.lost(how_lost(e), live.stages.pools, live.stages.groups(),
                                  out / "hang" / f"step_{step:06d}", tracker)
                 print(f"rlflow: a worker {why} at step {step} ({type(e).__name__})")
                 if restarts >= t.max_restarts:

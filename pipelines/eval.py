@@ -12,7 +12,7 @@ data_source:
 
 The same rollout and reward stages as training's validation, on a pool of `placement.workers`
 workers (`placement.gpus_per_worker` GPUs each) and through the same calls (`grpo.rollout`); no
-trainer is built. A worker that dies, or does not answer within `trainer.step_timeout_s`, has the
+trainer is built. A worker that dies, or stops moving for `trainer.stall_timeout_s`, has the
 pool rebuilt and the evaluation run again, up to `trainer.max_restarts` times. The results go to
 their own MLflow run, tagged `job=eval`, as metrics `eval/<data_source>/<name>` and `eval/<name>`,
 with one row per prompt in the `eval/prompts.json` table.
@@ -51,7 +51,7 @@ def generate_and_score(cfg: Config, model_dir: Path, prompts: list) -> tuple[lis
                                   samples=cfg.rollout.samples_per_prompt)
             return [b for b in greedy if len(b)], [b for b in sampled if len(b)]
         except WORKER_LOST as e:
-            why = hangs.lost(how_lost(e, t.step_timeout_s), [scoring.pool] if scoring else [],
+            why = hangs.lost(how_lost(e), [scoring.pool] if scoring else [],
                              [scoring.generator, scoring.reward] if scoring else [],
                              Path(t.output_dir) / "hang" / f"eval_{restarts}")
             print(f"rlflow: a worker {why} during the evaluation ({type(e).__name__})", flush=True)

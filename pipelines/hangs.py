@@ -1,8 +1,11 @@
 """Hangs found by the work done, and explained: what every worker was doing when a step was
 lost (a worker died, or stopped moving), read before anything is killed.
 
-`Watchdog` watches a step: when a call runs and no worker's count of work done
-(engine/progress.py) moves for `trainer.stall_timeout_s`, the step is stuck.
+`Watchdog` watches a step: when a call runs, or the driver waits on one, and no worker's count
+of work done (engine/progress.py) moves for `trainer.stall_timeout_s`, the step is stuck. A wait
+in a watched block has no clock of its own (`awaited`): a long step that moves is never stopped.
+Where no work can be seen moving (a stage starting: a model load), `answered` waits while the
+workers answer instead.
 
 For each worker of each pool, `report` reads the process's Python stacks, every thread, from
 outside with py-spy (it needs nothing from the process and reads a stopped one too), on the
@@ -23,8 +26,9 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +199,41 @@ def explain(pools: Sequence[Any], groups: Sequence[Any], directory: Path, tracke
 
 
 _FIRED: list[str] = []  # why a watchdog stopped a stuck call, until the recovery reads it
+_WATCHED = [0]  # watched blocks open now (`Watchdog.watching`)
+_AWAITED = [0]  # the driver's waits on the workers in progress (`awaited`)
+
+
+@contextmanager
+def awaited(unwatched_s: float) -> Iterator[float | None]:
+    """Around a wait on the workers: gives its time limit, None (no clock) in a watched block,
+    whose watchdog ends a wait that stops moving, else `unwatched_s`; and tells the watchdog that
+    the driver waits, so a call lost with no worker running it counts as stuck too."""
+    _AWAITED[0] += 1
+    try:
+        yield None if _WATCHED[0] else unwatched_s
+    finally:
+        _AWAITED[0] -= 1
+
+
+def answered(refs: list[Any], workers: Sequence[Any], silence_s: float, limit_s: float) -> list[Any]:
+    """`ray.get(refs)` for as long as every one of `workers` answers its status (a busy worker's
+    second thread does; a stopped or dead one never does), up to `limit_s`: for work that ticks
+    no count, such as a stage's start (a model load). GetTimeoutError once a worker has been
+    silent for `silence_s`, or `limit_s` has passed."""
+    start = heard = time.monotonic()
+    every = min(10.0, silence_s / 4)
+    while True:
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=every)
+        if len(ready) == len(refs):
+            return ray.get(refs)
+        asked = [w.status.remote() for w in workers]
+        back, _ = ray.wait(asked, num_returns=len(asked), timeout=every)
+        now = time.monotonic()
+        heard = now if len(back) == len(asked) else heard
+        if now - heard >= silence_s or now - start >= limit_s:
+            raise ray.exceptions.GetTimeoutError(
+                f"a worker did not answer for {now - heard:.0f} s" if now - heard >= silence_s else
+                f"the workers did not finish within {limit_s:g} s")
 
 
 def lost(otherwise: str, pools: Sequence[Any], groups: Sequence[Any], directory: Path, tracker: Any = None) -> str:
@@ -209,11 +248,12 @@ def lost(otherwise: str, pools: Sequence[Any], groups: Sequence[Any], directory:
 
 class Watchdog:
     """While `watching`, asks every worker of the pools for its status every few seconds. When a
-    call runs and no worker's count of work done (engine/progress.py) has moved for `stall_s`
-    (a stopped or dead worker never answers, and so never moves), the step is stuck: it explains
-    what each worker was doing (`explain`), then kills the workers that run a call or do not
-    answer, so that the driver's wait fails at once and its recovery goes on; `lost` then says
-    why, for the restart line. A long step that moves is never stopped."""
+    call runs, or the driver waits on the workers, and no worker's count of work done
+    (engine/progress.py) has moved for `stall_s` (a stopped or dead worker never answers, and so
+    never moves), the step is stuck: it explains what each worker was doing (`explain`), then
+    kills the workers that run a call or do not answer (all of them, when the driver waits on a
+    call none runs), so that the driver's wait fails at once and its recovery goes on; `lost`
+    then says why, for the restart line. A long step that moves is never stopped."""
 
     def __init__(self, stall_s: float, directory: Path, tracker: Any = None) -> None:
         self.stall_s, self.directory, self.tracker = stall_s, directory, tracker
@@ -234,14 +274,14 @@ class Watchdog:
             counts = [s[2] if s else None for s in seen]
             busy = [w for w, s in zip(workers, seen) if s is None or s[3] > 0]
             now = time.monotonic()
-            if counts != last or not busy:  # moving, or nothing to wait for (the driver's own work)
+            if counts != last or not (busy or _AWAITED[0]):  # moving, or the driver's own work
                 last, moved = counts, now
             elif now - moved >= self.stall_s and not stop.is_set():
                 _FIRED.append(f"made no progress for trainer.stall_timeout_s={self.stall_s:g}")
                 print(f"rlflow: no worker moved for trainer.stall_timeout_s={self.stall_s:g} while a call ran",
                       flush=True)
                 explain(pools, groups, self.directory / label, self.tracker)
-                for w in busy:
+                for w in busy or workers:
                     ray.kill(w)
                 return
 
@@ -269,8 +309,10 @@ class _Watch:
 
     def __enter__(self) -> None:
         _FIRED.clear()  # a stop the last block's recovery did not need (its call finished meanwhile)
+        _WATCHED[0] += 1
         self.thread.start()
 
     def __exit__(self, *exc: object) -> None:
+        _WATCHED[0] -= 1
         self.stop.set()
         self.thread.join()

@@ -17,7 +17,10 @@ name and a verb by the method's name.
 
 Invariants:
 - a collective verb (save, load, export, update) is called on every rank of its group together
-  (`Group.all`), and every wait on the workers is bounded by `trainer.step_timeout_s`;
+  (`Group.all`), and every wait on the workers ends: in a watched block (a step, a validation,
+  the final checkpoint) when the workers stop moving for `trainer.stall_timeout_s`
+  (pipelines/hangs.py), however long it runs while they move; elsewhere (starting the workers,
+  loading a checkpoint into them) after `START_TIMEOUT_S`;
 - a split rollout pool gets the trainer's weights only through `WeightSync`: the step graph never
   asks where the rollout runs.
 """
@@ -38,6 +41,7 @@ from rlflow.engine.batch import Batch, RolloutRequest
 from rlflow.engine.config import Config
 from rlflow.engine.data.prompts import Prompt
 from rlflow.engine.placement import Pool
+from rlflow.pipelines import hangs
 from rlflow.stages.advantage import Advantage
 from rlflow.stages.critic import Critic
 from rlflow.stages.hybrid import HybridPolicy
@@ -60,22 +64,33 @@ LOCAL: Call = lambda w, key, verb, args: w.run(key, verb, *args)  # noqa: E731
 BESIDE: Call = lambda w, key, verb, args: w.run.options(  # noqa: E731
     concurrency_group="beside").remote(key, verb, *args)
 
-# A stage's process died (OOM kill, node loss, segfault), or a wait on the workers ran past
-# trainer.step_timeout_s (a stuck kernel or collective): the driver rebuilds the workers.
+# The most that starting the workers may take (placing them, loading their models, joining their
+# groups), and any wait outside a watched block: a 70B model read from network storage takes
+# minutes; a worker stuck as it starts does no work the watchdog could see.
+START_TIMEOUT_S = 1800.0
+
+# A stage's process died (OOM kill, node loss, segfault) or was killed as stuck (the watchdog),
+# or a wait outside a watched block ran past START_TIMEOUT_S: the driver rebuilds the workers.
 WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ray.exceptions.RayChannelError,
                ray.exceptions.GetTimeoutError)
 
 
-def how_lost(e: BaseException, timeout_s: float) -> str:
+def how_lost(e: BaseException) -> str:
     """What happened to the worker behind one of WORKER_LOST, for the restart line."""
-    return f"ran past trainer.step_timeout_s={timeout_s:g}" if isinstance(e, TimeoutError) else "died"
+    return "did not answer in time" if isinstance(e, TimeoutError) else "died"
+
+
+def silence_s(cfg: Config) -> float:
+    """How long a starting worker may not answer before it counts as lost: a stopped one is not
+    waited on longer than a stuck step would be, nor longer than two minutes."""
+    return min(120.0, cfg.trainer.stall_timeout_s)
 
 
 class Group(Generic[S]):
     """One stage class on every rank of a pool; `at` and `all` call its verbs."""
 
-    def __init__(self, cls: type, workers: Sequence[Any], call: Call, timeout: float) -> None:
-        self.key, self.workers, self.call, self.timeout = cls.__name__, list(workers), call, timeout
+    def __init__(self, cls: type, workers: Sequence[Any], call: Call) -> None:
+        self.key, self.workers, self.call = cls.__name__, list(workers), call
 
     @property
     def size(self) -> int:
@@ -94,12 +109,16 @@ class Group(Generic[S]):
     def all(self, verb: Callable[Concatenate[S, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """`verb(*args)` on every rank together (a collective verb), waited for; the results by rank."""
         assert not kwargs, "stage verbs take positional arguments"
-        return wait([self.call(w, self.key, verb.__name__, args) for w in self.workers], self.call, self.timeout)
+        return wait([self.call(w, self.key, verb.__name__, args) for w in self.workers], self.call)
 
 
-def wait(values: list[Any], call: Call, timeout: float) -> list[Any]:
-    """The results of `values`: futures are read (at most `timeout` seconds), local results are themselves."""
-    return values if call is LOCAL else ray.get(values, timeout=timeout)
+def wait(values: list[Any], call: Call) -> list[Any]:
+    """The results of `values`: futures are read (as long as the workers move, in a watched block;
+    else at most START_TIMEOUT_S), local results are themselves."""
+    if call is LOCAL:
+        return values
+    with hangs.awaited(START_TIMEOUT_S) as limit:
+        return ray.get(values, timeout=limit)
 
 
 class Generator(Protocol):
@@ -163,7 +182,7 @@ class Broadcast:
     def after_load(self) -> None:
         sender, receiver = self.sender.bound(SUBMIT), self.receiver.bound(SUBMIT)
         wait([sender.at(r, PolicySender.push_weights, None) for r in range(sender.size)] +
-             [receiver.at(r, Rollout.pull_weights, None) for r in range(receiver.size)], SUBMIT, sender.timeout)
+             [receiver.at(r, Rollout.pull_weights, None) for r in range(receiver.size)], SUBMIT)
 
     def bound(self, call: Call) -> Broadcast:
         return Broadcast(self.sender.bound(call), self.receiver.bound(call), self.beside)
@@ -185,10 +204,6 @@ class Stages:
     @property
     def workers(self) -> int:
         return self.policy.size
-
-    @property
-    def timeout(self) -> float:
-        return self.policy.timeout
 
     def groups(self) -> list[Group[Any]]:
         """Every stage's group, for naming what each worker hosts."""
@@ -230,14 +245,13 @@ def launch(cfg: Config, model_path: str, *, reward: bool = True, advantage: bool
     (`generates=False`: SFT, DPO, the warm start). A failure leaves no pool behind."""
     p, n = cfg.placement, cfg.placement.workers
     device = "cuda" if p.gpus_per_worker else "cpu"
-    timeout = cfg.trainer.step_timeout_s  # every wait on the workers; ray.get's compiled-graph default is 10 s
     pools: dict[str, Pool] = {}
 
     def place(cls: type[T], own: str, kwargs: Callable[[int], dict]) -> Group[T]:
         where = own if own in p.own_pool else "hybrid"
         if where not in pools:
             pools[where] = role_pool(cfg, where)
-        return build(cls, pools[where], kwargs, timeout)
+        return build(cls, pools[where], kwargs)
 
     try:
         trained = dict(cfg=cfg, model_path=model_path, world=n, device=device)
@@ -274,11 +288,10 @@ def launch(cfg: Config, model_path: str, *, reward: bool = True, advantage: bool
 def attach_rollout(cfg: Config, model_path: str, stages: Stages, sender: Group[PolicySender], pool: Pool) -> None:
     """Split placement: the rollout stage on `pool`, joined to the trainer's weight group, as the
     stages' generator and weight sync."""
-    timeout, n = cfg.trainer.step_timeout_s, cfg.placement.workers
+    n = cfg.placement.workers
     device = "cuda" if cfg.placement.gpus_per_worker else "cpu"
-    rollout = build(Rollout, pool, lambda r: dict(cfg=cfg, model_path=model_path, world=n, device=device, rank=r),
-                    timeout)
-    connect(sender, rollout, timeout)
+    rollout = build(Rollout, pool, lambda r: dict(cfg=cfg, model_path=model_path, world=n, device=device, rank=r))
+    connect(sender, rollout, silence_s(cfg))
     stages.generator, stages.sync = rollout, Broadcast(sender, rollout, cfg.trainer.max_staleness > 0)
 
 
@@ -296,7 +309,7 @@ def rollout(generator: Group[Generator] | None, reward: Group[Reward] | None, pr
     Every rank generates (tensor-parallel ranks generate together), also one left without a
     prompt when there are fewer prompts than ranks; its empty batch is not scored."""
     assert generator is not None
-    return wait(submit_rollout(generator, reward, prompts, step, greedy, samples), SUBMIT, generator.timeout)
+    return wait(submit_rollout(generator, reward, prompts, step, greedy, samples), SUBMIT)
 
 
 def submit_rollout(generator: Group[Generator], reward: Group[Reward] | None, prompts: list[Prompt], step: int,
@@ -361,13 +374,13 @@ class Scoring:
 
 def launch_scoring(cfg: Config, model_path: str) -> Scoring:
     """`placement.workers` processes, each generating with the model at `model_path` and scoring."""
-    p, timeout = cfg.placement, cfg.trainer.step_timeout_s
+    p = cfg.placement
     device = "cuda" if p.gpus_per_worker else "cpu"
     pool = role_pool(cfg, "rollout")
     try:
         generator = build(Rollout, pool, lambda r: dict(cfg=cfg, model_path=model_path, rank=r, world=p.workers,
-                                                        device=device), timeout)
-        reward = build(Reward, pool, lambda r: dict(cfg=cfg, device=device), timeout)
+                                                        device=device))
+        reward = build(Reward, pool, lambda r: dict(cfg=cfg, device=device))
     except BaseException:
         pool.shutdown()
         raise
@@ -382,7 +395,7 @@ def role_pool(cfg: Config, where: str) -> Pool:
     group = p.workers > 1 and (where != "rollout" or cfg.rollout.tp > 1)
     return start_pool(where, p.workers, gpus, p.torch_threads, group,
                       compile_cache=os.path.abspath(os.path.join(cfg.trainer.output_dir, "compile_cache")),
-                      call_timeout_s=min(120.0, cfg.trainer.step_timeout_s))
+                      call_timeout_s=silence_s(cfg))
 
 
 def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, timeout_s: float = 120.0,
@@ -390,8 +403,9 @@ def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, tim
     """A pool of StageWorkers, placed within `timeout_s`; with `group`, its ranks join one
     torch.distributed group; with `compile_cache`, they keep what torch.compile makes there
     (StageWorker.cache_compiles). Each of these calls answers within `call_timeout_s`, or the
-    worker counts as lost: one stopped as it starts is not waited on longer than a stuck step would be."""
+    worker counts as lost (`silence_s`); the stages built on it later wait as long (`build`)."""
     pool = Pool(name, StageWorker, size, gpus, threads, timeout_s, StageWorker.GROUPS)
+    pool.silence_s = call_timeout_s
     try:  # a worker lost here takes its pool down, so the driver's rebuild can place one of the same name
         pool.processes = [s[:2] for s in ray.get([w.status.remote() for w in pool.workers], timeout=call_timeout_s)]
         if compile_cache:
@@ -405,18 +419,22 @@ def start_pool(name: str, size: int, gpus: float, threads: int, group: bool, tim
     return pool
 
 
-def build(cls: type[T], pool: Pool, kwargs: Callable[[int], dict], timeout: float) -> Group[T]:
-    """Stage `cls` built on every worker of `pool` (`kwargs(rank)` its arguments, within `timeout`), and its handle."""
-    ray.get([w.add.remote(cls, kwargs(r)) for r, w in enumerate(pool.workers)], timeout=timeout)
-    return Group(cls, pool.workers, SUBMIT, timeout)
+def build(cls: type[T], pool: Pool, kwargs: Callable[[int], dict]) -> Group[T]:
+    """Stage `cls` built on every worker of `pool` (`kwargs(rank)` its arguments), and its handle:
+    as long as the workers answer (a model load ticks no work done), up to START_TIMEOUT_S."""
+    hangs.answered([w.add.remote(cls, kwargs(r)) for r, w in enumerate(pool.workers)], pool.workers, pool.silence_s,
+                   START_TIMEOUT_S)
+    return Group(cls, pool.workers, SUBMIT)
 
 
-def connect(policy: Group[PolicySender], rollout: Group[Rollout], timeout: float) -> None:
-    """Split placement: trainer rank 0 hosts the weight group and every rollout rank joins it, all at once."""
-    host, port = ray.get(policy.workers[0].address.remote(), timeout=timeout)
+def connect(policy: Group[PolicySender], rollout: Group[Rollout], silence: float) -> None:
+    """Split placement: trainer rank 0 hosts the weight group and every rollout rank joins it, all
+    at once, as long as they answer (`build`)."""
+    host, port = ray.get(policy.workers[0].address.remote(), timeout=silence)
     size = rollout.size + 1
-    wait([policy.at(0, PolicySender.connect_rollout, host, port, size)] +
-         [rollout.at(r, Rollout.connect, host, port, size) for r in range(rollout.size)], SUBMIT, timeout)
+    hangs.answered([policy.at(0, PolicySender.connect_rollout, host, port, size)] +
+                   [rollout.at(r, Rollout.connect, host, port, size) for r in range(rollout.size)],
+                   [policy.workers[0], *rollout.workers], silence, START_TIMEOUT_S)
 
 
 Graph = Callable[[Stages, list[Any]], tuple[list[Any], list[Any]]]
@@ -441,17 +459,18 @@ class Runner:
             outputs, waits = self.graph(self.stages.bound(BIND), [inp[i] for i in range(inputs)])
             self.outputs = len(outputs)
             dag = MultiOutputNode(outputs + waits)
-        self.compiled = dag.experimental_compile(_submit_timeout=self.stages.timeout)
+        self.compiled = dag.experimental_compile(_submit_timeout=START_TIMEOUT_S)
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
         """Each rank's output of one step."""
         if self.mode == "compiled":
             if self.compiled is None:
                 self._compile(len(inputs))
-            return ray.get(self.compiled.execute(*inputs), timeout=self.stages.timeout)[:self.outputs]
+            with hangs.awaited(START_TIMEOUT_S) as limit:  # a compiled graph's read: -1 waits, None means 10 s
+                return ray.get(self.compiled.execute(*inputs), timeout=-1 if limit is None else limit)[:self.outputs]
         call = LOCAL if self.mode == "local" else SUBMIT
         outputs, waits = self.graph(self.stages.bound(call), inputs)
-        return wait(outputs + waits, call, self.stages.timeout)[:len(outputs)]
+        return wait(outputs + waits, call)[:len(outputs)]
 
     def close(self, lost: bool = False) -> None:
         """Tear the compiled graph down; `lost`: a worker died or hangs, so kill the workers rather

@@ -97,8 +97,7 @@ class SFT:
     def validate(self, stages: Stages, step: int) -> dict[str, float]:
         """`val/sft/loss`: the mean response-token NLL over every rank's held-out examples."""
         policy = stages.policy.bound(SUBMIT)
-        results = wait([policy.at(r, Policy.evaluate, part, self.loss) for r, part in enumerate(self.val)], SUBMIT,
-                       stages.timeout)
+        results = wait([policy.at(r, Policy.evaluate, part, self.loss) for r, part in enumerate(self.val)], SUBMIT)
         return {"val/sft/loss": results[0].metrics["sft/loss"]}  # every rank's tokens: the same on each
 
     def after_step(self, stages: Stages, outputs: list[Any]) -> None:

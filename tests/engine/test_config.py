@@ -96,7 +96,8 @@ def test_malformed_yaml_is_one_line_naming_the_file_and_place(tmp_path):
     ("data.train_files=[a.jsonl,b.jsonl", "override 'data.train_files=\\[a.jsonl,b.jsonl' is not valid YAML: "
      "expected ',' or '\\]', but got '<stream end>' at line 1, column 17"),
     ("warmstart.stop_accuracy=1.5", "stop_accuracy must be in"),
-    ("trainer.step_timeout_s=0", "step_timeout_s must be > 0"),
+    ("trainer.stall_timeout_s=0", "stall_timeout_s must be > 0"),
+    ("trainer.step_timeout_s=60", "is now trainer.stall_timeout_s: a step's waits last while the workers move"),
     ("algorithm.name=ppo", "contradicts this run, which is 'grpo'"),
     ("algorithm.name=dpo", "the command sets sft and dpo"),
     (["algorithm.advantage=gae", "algorithm.name=grpo"], "contradicts this run, which is 'ppo'"),

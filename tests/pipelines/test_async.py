@@ -108,23 +108,23 @@ class FailsOnce:
 
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
 def test_async_replaces_a_lost_rollout_worker_while_training_goes_on(tmp_path, fault):
-    """Generating ahead, a rollout worker killed mid-generation, or stuck in it past the step
-    timeout while its second thread still answers (the fault comes from its environment, so it
-    lands in the rollout pool's process), is replaced by a new pool holding the trainer's current
-    weights; the trainer's workers are never restarted and every step trains once."""
+    """Generating ahead, a rollout worker killed mid-generation, or stuck in it with no work done
+    for trainer.stall_timeout_s while its second thread still answers (the fault comes from its
+    environment, so it lands in the rollout pool's process), is replaced by a new pool holding the
+    trainer's current weights; the trainer's workers are never restarted and every step trains once."""
     (tmp_path / "fails_once.py").write_text(FAILS_ONCE)
     args = [str(BIN / "rlflow"), "train", f"trainer.output_dir={tmp_path}/out", "placement.own_pool=[rollout]",
             "trainer.max_staleness=1", "algorithm.rollout_correction=token_tis", "trainer.val_every=0",
             f"rollout.env={tmp_path / 'fails_once.py'}:FailsOnce", "rollout.max_turns=1", "rollout.episode_tokens=8",
             "trainer.total_steps=6", "trainer.save_every=2", "trainer.max_restarts=1", "warmstart.steps=0",
-            "trainer.step_timeout_s=" + ("60" if fault == "dies" else "30"),
-            "reward.timeout_s=900"]  # the environment's own timeout: longer than the hang, so the step times out
+            "trainer.stall_timeout_s=8",
+            "reward.timeout_s=900"]  # the environment's own timeout: longer than the hang, so the watchdog finds it
     staged = tmp_path / "fault.staged"
     staged.write_text(fault)  # renamed into place: an episode never reads a half-written file
     returncode, output = fault_after_step_2(tmp_path, args, lambda proc: staged.rename(tmp_path / "fault"))
     assert returncode == 0, output[-3000:]
     assert (tmp_path / "faulted").exists()
-    lost = "died" if fault == "dies" else "ran past trainer.step_timeout_s=30"
+    lost = "died" if fault == "dies" else "made no progress for trainer.stall_timeout_s=8"
     assert f"a rollout worker {lost}" in output and "new rollout pool 1/1" in output, output[-3000:]
     if fault == "hangs":  # said before the pool is replaced: the environment's own frame, in its thread
         assert re.search(r"^  rollout rank 0 \(Rollout; pid \d+\): in Rollout\.generate \(stages/rollout\.py:\d+\) "
@@ -139,4 +139,4 @@ def test_async_replaces_a_lost_rollout_worker_while_training_goes_on(tmp_path, f
     rebuilt = next(s for s, n in got["async/rollout_rebuilds"] if n == 1.0)
     assert dict(got["async/staleness/max"])[rebuilt] == 0.0  # regenerated from the trainer's weights of that step
     if fault == "hangs":  # what the stuck worker was doing, kept with the run
-        assert [a.path for a in client.list_artifacts(run.info.run_id, "hang")] == ["hang/rollout_1"]
+        assert [a.path for a in client.list_artifacts(run.info.run_id, "hang")] == [f"hang/step_{rebuilt - 1:06d}"]

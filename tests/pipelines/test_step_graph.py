@@ -66,7 +66,7 @@ def group(cls: type, n: int) -> Group[Any]:
     workers = [StageWorker(r, n, 1) for r in range(n)]
     for r, w in enumerate(workers):
         w.add(cls, {"rank": r})
-    return Group(cls, workers, LOCAL, timeout=1.0)
+    return Group(cls, workers, LOCAL)
 
 
 def stages(n: int, reference: bool = False, critic: bool = False, split: bool = False) -> Stages:
