@@ -19,6 +19,8 @@ Invariants (those of engine/rollout/base.py, plus):
   platform has a sleep mode (CUDA/ROCm/XPU). On CPU vLLM has none: the KV cache
   (`kv_cache_memory_bytes`, sized below) stays allocated. Either way `generate` and
   `load_weights` refuse to run until `resume_memory`;
+- every engine step counts as work done (engine/progress.py), so a long `generate` call is not
+  taken for a stuck one, and a step that never returns is;
 - one engine per process: shutting a vLLM engine down tears down process-wide state (its
   distributed groups) that any other engine in the process still uses;
 - the engine is built, and every call into it made, on one thread of its own, whichever thread
@@ -40,6 +42,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from rlflow.engine import progress
 from rlflow.engine.rollout.base import Completion, SamplingParams, limits_of
 
 T = TypeVar("T")
@@ -81,6 +84,13 @@ class VLLMRollout:
                        kv_cache_memory_bytes=kv_cache_bytes(model_dir, max_len, dtype),
                        enable_sleep_mode=self.can_sleep, enforce_eager=not torch.cuda.is_available())
         self.model = cast(Any, self.llm.apply_model(lambda m: m)[0])  # in-process: the module itself, not a copy
+        core, step = self.llm.llm_engine, self.llm.llm_engine.step
+
+        def counted(*args: Any, **kwargs: Any) -> Any:  # `generate` runs the engine a step at a time
+            out = step(*args, **kwargs)
+            progress.tick()
+            return out
+        core.step = counted
         self.base_scale: float = self.model.logits_processor.scale  # a model's own logit scale (1.0 for Qwen2)
 
     def _on_thread(self, fn: Callable[..., T], *args: Any) -> T:
