@@ -15,6 +15,8 @@ mix (prompts of `--prompt` tokens, responses uniform in `--response`, default 50
 - padded: padded rows, micro-batches of rows x width <= `--budget`;
 - hf (one rank only): a bf16 transformers model and AdamW, `model(...).logits` on the padded
   micro-batches and log_softmax over full fp32 logits, the loop a user would write.
+`--modes` picks which of rlflow's two layouts run; `--profile` adds one more packed step under the
+profiler.
 Each runs once to warm up, then `--repeats` timed steps (median; the slowest rank's time).
 Tokens/s counts real tokens over all ranks. MFU (CUDA) = model FLOPs / time / (GPUs x
 `--peak-tflops`), model FLOPs = 6 x matmul parameters x tokens (the input embedding is a lookup,
@@ -164,6 +166,7 @@ def throughput(rank: int, world: int, args, path: str, device: torch.device) -> 
     methods: dict[str, Callable[[], object]] = {
         "packed": partial(rlflow_step, engine, b, args.budget, True),
         "padded": partial(rlflow_step, engine, b, args.budget, False)}
+    methods = {k: v for k, v in methods.items() if k in args.modes or (k == "packed" and args.profile)}
     peak_gib(device)
     rates = {}
     for name, run in methods.items():
@@ -260,6 +263,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing in the trainer")
     ap.add_argument("--compile", action="store_true", help="the trainer's decoder layers through torch.compile")
+    ap.add_argument("--modes", default="packed,padded", help="comma list of rlflow's row layouts to time")
     ap.add_argument("--hf", action=argparse.BooleanOptionalAction, default=True, help="the plain loop (1 rank)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU; 989 = H100/H200")
     ap.add_argument("--profile", action="store_true", help="profile one more packed step")
@@ -271,6 +275,7 @@ def main() -> None:
     ap.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "rlflow-bench-models"))
     args = ap.parse_args()
     args.sp = [int(s) for s in args.sp.split(",")]
+    args.modes = args.modes.split(",")
     path = model_dir(args.shape, SHAPES[args.shape], Path(args.cache))
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
