@@ -89,7 +89,7 @@ class ActorConfig:
     lr_schedule: str = "constant"  # after warmup: constant | cosine, to 0 at the last optimizer step (critic too)
     mini_batch_prompts: int = 16  # prompts per optimizer step (critic too)
     micro_batch_tokens_per_gpu: int = -1  # tokens a forward/backward, padded rows x width; auto: planned (critic too)
-    pack_sequences: bool = False  # sequences end to end in one row (pays off on CUDA; on CPU a block mask) (critic too)
+    pack_sequences: str = AUTO  # sequences end to end in one row: true | false | auto: on GPUs (critic too)
     share_prompts: bool = False  # each prompt computed once for its samples (CUDA: flex; long prompts, short answers)
     ppo_epochs: int = 1  # passes over each step's samples; > 1 reuses them under the clipped ratio (critic too)
     clip_low: float = 0.2  # the ratio's lower clip bound is 1 - clip_low
@@ -248,7 +248,7 @@ def _unknown(key: str) -> ConfigError:
 AUTO_KEYS: dict[str, Any] = {"model.dtype": AUTO, "rollout.dtype": AUTO, "actor.lr": -1.0,
                              "placement.gpus_per_worker": -1.0, "warmstart.steps": -1,
                              "warmstart.stop_accuracy": -1.0, "actor.micro_batch_tokens_per_gpu": -1,
-                             "actor.activation_checkpointing": AUTO}
+                             "actor.activation_checkpointing": AUTO, "actor.pack_sequences": AUTO}
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -371,8 +371,9 @@ def visible_gpus() -> int:
 
 
 def resolve(cfg: Config, job: str, gpus: int) -> None:
-    """Fill in every `auto` key, in place: one GPU a worker where `gpus` > 0; bfloat16 on GPUs; the
-    job's learning rate (ten times it for LoRA); a warm start for the embedded model alone."""
+    """Fill in every `auto` key, in place: one GPU a worker where `gpus` > 0; bfloat16 and packed
+    rows on GPUs; the job's learning rate (ten times it for LoRA); a warm start for the embedded
+    model alone."""
     p, a, w = cfg.placement, cfg.actor, cfg.warmstart
     embedded = cfg.model.path == EMBEDDED
     if p.gpus_per_worker == AUTO_KEYS["placement.gpus_per_worker"]:
@@ -387,6 +388,8 @@ def resolve(cfg: Config, job: str, gpus: int) -> None:
         w.steps = 0 if not embedded or job == "sft" else EMBEDDED_WARMSTART_STEPS
     if w.stop_accuracy == AUTO_KEYS["warmstart.stop_accuracy"]:  # the embedded task learns most from a weak start
         w.stop_accuracy = EMBEDDED_WARMSTART_ACCURACY if embedded and job != "sft" else 0.0
+    if a.pack_sequences == AUTO:  # on the CPU a packed row's attention needs a block mask: padded rows run faster
+        a.pack_sequences = "true" if p.gpus_per_worker and a.sp == 1 else "false"
     if not p.gpus_per_worker:  # on GPUs the trainer plans both from the free memory (engine/train/memory.py)
         if a.micro_batch_tokens_per_gpu == AUTO_KEYS["actor.micro_batch_tokens_per_gpu"]:
             a.micro_batch_tokens_per_gpu = max(CPU_MICRO_BATCH_TOKENS, longest_row(cfg))
@@ -403,6 +406,13 @@ def longest_row(cfg: Config) -> int:
 def switch(value: str) -> bool | None:
     """A true | false | auto key's value: None for auto."""
     return None if value == AUTO else value == "true"
+
+
+def packed(cfg: Config) -> bool:
+    """Whether the trainers run their sequences end to end (`actor.pack_sequences`, resolved)."""
+    if cfg.actor.pack_sequences == AUTO:
+        raise ValueError("actor.pack_sequences=auto is resolved when the config is loaded (`resolve`)")
+    return cfg.actor.pack_sequences == "true"
 
 
 def doubts(cfg: Config, gpus: int) -> list[str]:
@@ -502,6 +512,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reward.on_error": ("zero", "raise"),
     "trainer.dag": ("compiled", "plain"),
     "actor.activation_checkpointing": (AUTO, "true", "false"),
+    "actor.pack_sequences": (AUTO, "true", "false"),
 }
 
 
@@ -520,7 +531,7 @@ def _validate_sp(cfg: Config) -> None:
         raise ConfigError(f"actor.sp={a.sp} must be >= 1 and divide placement.workers={workers}")
     if a.sp == 1:
         return
-    if a.pack_sequences or a.share_prompts:
+    if a.pack_sequences == "true" or a.share_prompts:
         raise ConfigError("actor.sp > 1 runs padded rows: set actor.pack_sequences=false and actor.share_prompts=false")
     if job_of(cfg) != "rl" or algos.needs_whole_sequences(a.policy_loss, a.loss_agg, cfg.algorithm.rollout_correction):
         raise ConfigError(f"actor.sp > 1 trains RL with a token-level loss; got algorithm.name="

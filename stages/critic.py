@@ -37,7 +37,7 @@ from transformers import AutoModelForTokenClassification
 
 from rlflow.engine import algos
 from rlflow.engine.batch import Batch
-from rlflow.engine.config import Config, longest_row
+from rlflow.engine.config import Config, longest_row, packed
 from rlflow.engine.tensors import to_device
 from rlflow.engine.train import memory
 from rlflow.engine.train.batching import micro_batches
@@ -120,14 +120,14 @@ class Critic:
     def values(self, batch: Batch) -> Batch:
         """V(prompt + response[:t]) for every response token t, without gradients."""
         start = time.perf_counter()
-        a = self.cfg.actor
+        pack = packed(self.cfg)
         ids, mask, pos = batch.sequences()
         batch.values = torch.zeros(batch.response_ids.shape)  # [N, R]
-        chunks = micro_batches(mask, self.engine.fit(longest_row(self.cfg)).tokens, a.pack_sequences)
+        chunks = micro_batches(mask, self.engine.fit(longest_row(self.cfg)).tokens, pack)
         with torch.no_grad():
             for rows in chunks:
                 batch.values[rows] = forward_values(self.engine.root, ids[rows], mask[rows], pos[rows],
-                                                    batch.response_ids.shape[1], a.pack_sequences).cpu()
+                                                    batch.response_ids.shape[1], pack).cpu()
             for _ in range(in_step(self.engine.root, len(chunks)) - len(chunks)):
                 self.engine.root.idle()
         batch.timing["values"] = time.perf_counter() - start
@@ -144,7 +144,7 @@ class Critic:
                 mini = batch.rows(slice(lo, lo + rows))
                 denom = all_reduce_sum(float(mini.loss_mask.sum()))
                 ids, attn, pos = mini.sequences()
-                micro = micro_batches(attn, self.engine.fit(longest_row(self.cfg)).tokens, a.pack_sequences)
+                micro = micro_batches(attn, self.engine.fit(longest_row(self.cfg)).tokens, packed(self.cfg))
                 with self.engine.step(len(micro)) as step:
                     for r in micro:
                         step.backward(self._loss(mini, r, ids, attn, pos, denom, stats))
@@ -161,7 +161,7 @@ class Critic:
     def _loss(self, mini: Batch, r: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor,
               denom: float, stats: dict[str, list]) -> torch.Tensor:
         values = forward_values(self.engine.root, ids[r], attn[r], pos[r], mini.response_mask.shape[1],
-                                self.cfg.actor.pack_sequences)
+                                packed(self.cfg))
         on = lambda x: to_device(x[r], values.device)  # noqa: E731
         loss, m = algos.value_loss(values, on(mini.values), on(mini.returns), on(mini.loss_mask),
                                    self.cfg.critic.cliprange_value, "token-mean", denom)

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from rlflow.engine import algos
 from rlflow.engine.batch import Batch, Update
-from rlflow.engine.config import Config, deterministic, longest_row
+from rlflow.engine.config import Config, deterministic, longest_row, packed
 from rlflow.engine.reshard import WeightBroadcast, full_tensors, push_weights, weight_shapes
 from rlflow.engine.rollout.build import weights_dtype
 from rlflow.engine.tensors import peak_memory
@@ -96,7 +96,7 @@ class Policy:
         ids, mask, pos = rows.sequences()
         out, _ = response_logprobs(
             self.engine.root, ids, mask, pos, rows.response_ids, self.cfg.rollout.temperature,
-            self.engine.micro_tokens, pack=a.pack_sequences, group_size=rows.group_size if a.share_prompts else 0)
+            self.engine.micro_tokens, pack=packed(self.cfg), group_size=rows.group_size if a.share_prompts else 0)
         first = sum(len(m) for m in members[:me])
         return out[first:first + len(batch), :batch.response_ids.shape[1]]  # responses: right-padded
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlflow.engine.batch import Batch
-from rlflow.engine.config import Config
+from rlflow.engine.config import Config, packed
 from rlflow.engine.tensors import peak_memory
 from rlflow.engine.train import memory
 from rlflow.engine.train.fsdp import DTYPES, attn_implementation, response_logprobs
@@ -32,7 +32,7 @@ class Reference:
         ids, mask, pos = batch.sequences()
         batch.ref_logprobs, _ = response_logprobs(
             self.model, ids, mask, pos, batch.response_ids, self.cfg.rollout.temperature,
-            memory.forward_tokens(self.cfg), pack=self.cfg.actor.pack_sequences)
+            memory.forward_tokens(self.cfg), pack=packed(self.cfg))
         batch.timing["ref"] = time.perf_counter() - start
         peak_memory("ref", batch.metrics)
         return batch

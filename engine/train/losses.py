@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from rlflow.engine import algos
 from rlflow.engine.batch import Batch
-from rlflow.engine.config import Config
+from rlflow.engine.config import Config, packed
 from rlflow.engine.tensors import to_device
 from rlflow.engine.train.batching import micro_batches
 from rlflow.engine.train.fsdp import (
@@ -92,7 +92,7 @@ class PolicyGradient:
 
     def __init__(self, cfg: Config) -> None:
         self.max_staleness: int | None = cfg.trainer.max_staleness  # generation may run this many versions ahead
-        self.actor, self.workers = cfg.actor, cfg.placement.workers
+        self.actor, self.workers, self.pack = cfg.actor, cfg.placement.workers, packed(cfg)
         self.temperature, self.max_new_tokens = cfg.rollout.temperature, cfg.rollout.max_new_tokens
         self.warmup = cfg.critic.warmup_steps
         self.correction, self.cap = cfg.algorithm.rollout_correction, cfg.algorithm.rollout_correction_cap
@@ -117,7 +117,7 @@ class PolicyGradient:
                 denom = all_reduce_sum(float(len(mini)) / a.sp if algos.divides_by_rows(a.loss_agg)
                                        else float(mask.sum()))
                 prompt_width = attn.shape[1] - mini.response_ids.shape[1] if a.share_prompts else 0
-                micro = micro_batches(attn, budget(a.micro_batch_tokens_per_gpu, trainer), a.pack_sequences,
+                micro = micro_batches(attn, budget(a.micro_batch_tokens_per_gpu, trainer), self.pack,
                                       mini.group_size, prompt_width)
                 with trainer.step(len(micro)) as step:
                     for r in micro:
@@ -134,7 +134,7 @@ class PolicyGradient:
         the host until the forward is done, before it could queue the backward."""
         a = self.actor
         logp, entropy = forward_logprobs(root, ids[r], attn[r], pos[r], mini.response_ids[r],
-                                         self.temperature, a.pack_sequences, share=a.share_prompts)
+                                         self.temperature, self.pack, share=a.share_prompts)
         on = lambda x: to_device(x[r], logp.device)  # noqa: E731
         mask = on(owned)
         means: dict[str, torch.Tensor] = {}  # masked means over this rank's tokens; with SP, the group's below
@@ -197,7 +197,7 @@ class Supervised:
     max_staleness: int | None = None
 
     def __init__(self, cfg: Config) -> None:
-        self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, cfg.actor.pack_sequences
+        self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, packed(cfg)
 
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         loss, micro = self._losses(trainer, batch)
@@ -240,7 +240,7 @@ class Preference:
     def __init__(self, cfg: Config) -> None:
         self.beta, self.nll_coef, self.workers = cfg.dpo.beta, cfg.dpo.nll_coef, cfg.placement.workers
         self.pairs_per_step = cfg.actor.mini_batch_prompts
-        self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, cfg.actor.pack_sequences
+        self.budget, self.pack = cfg.actor.micro_batch_tokens_per_gpu, packed(cfg)
 
     def update(self, trainer: TrainEngine, batch: Batch) -> dict[str, float]:
         rows = 2 * (self.pairs_per_step // self.workers)

@@ -182,8 +182,8 @@ def test_update_does_not_depend_on_packing_or_micro_batching(model_dir, data_fil
     # 28: one row per padded micro-batch, and groups split in two when prompts are shared
     for pack, budget, share in [(False, 1024, False), (True, 1024, False), (True, 28, False), (False, 28, False),
                                 (False, 1024, True), (False, 28, True)]:
-        loss = PolicyGradient(replace(cfg, actor=replace(cfg.actor, pack_sequences=pack, share_prompts=share,
-                                                         micro_batch_tokens_per_gpu=budget)))
+        loss = PolicyGradient(replace(cfg, actor=replace(cfg.actor, pack_sequences=str(pack).lower(),
+                                                         share_prompts=share, micro_batch_tokens_per_gpu=budget)))
         actor.engine.model.load_state_dict(start)
         actor.weight_version = batch.weight_version  # rewound by hand to the weights that generated the batch
         m = actor.update(batch.rows(slice(None)), loss).metrics
@@ -331,7 +331,7 @@ def test_dpo_loss_matches_a_direct_forward_and_ignores_micro_batching(model_dir)
     batch.ref_logprobs = batch.ref_logprobs + 0.3 * torch.linspace(-1, 1, len(batch))[:, None] * batch.response_mask
     results = []
     for pack, budget in [(False, 4096), (True, 4096), (False, 26), (True, 20)]:  # small: one pair per micro-batch
-        loss = Preference(replace(cfg, actor=replace(cfg.actor, pack_sequences=pack,
+        loss = Preference(replace(cfg, actor=replace(cfg.actor, pack_sequences=str(pack).lower(),
                                                      micro_batch_tokens_per_gpu=budget)))
         actor.engine.model.load_state_dict(start)
         if not results:  # evaluate gives what the update's forward measures, without the step
