@@ -16,6 +16,7 @@ from rlflow.engine.config import (
     load_config,
     meanings,
     override,
+    packed,
     reference_markdown,
     to_dict,
 )
@@ -205,6 +206,11 @@ def test_a_users_model_without_a_recipe_gets_the_defaults_for_real_models():
         assert (cfg.warmstart.steps, cfg.warmstart.stop_accuracy) == (0, 0)
     assert doubts(on_cpu, gpus=0) == []
     assert load_config(None, [*USER, "placement.gpus_per_worker=0"], gpus=1).model.dtype == "float32"
+    # packed rows on GPUs; padded on the CPU and where sequence parallelism slices rows; as set otherwise
+    assert (packed(on_gpu), packed(on_cpu)) == (True, False)
+    assert not packed(load_config(None, [*USER, "placement.workers=2", "actor.sp=2"], gpus=2))
+    assert not packed(load_config(None, [*USER, "actor.pack_sequences=false"], gpus=1))
+    assert packed(load_config(None, [*USER, "actor.pack_sequences=true"], gpus=0))
 
 
 @pytest.mark.parametrize("job,lora,lr", [("rl", 0, 1e-6), ("dpo", 0, 1e-6), ("sft", 0, 2e-5), ("rl", 64, 1e-5),
