@@ -142,7 +142,7 @@ def test_pool_spreads_ranks_over_nodes_in_node_order(cluster, monkeypatch):
         driver_node = ray.get_runtime_context().get_node_id()
         pool = start_pool("probe", 4, gpus=0.0, threads=1, group=True, timeout_s=60)
         assert len(pool.groups) == 2  # one STRICT_PACK group per node
-        probes = build(Probe, pool, lambda r: {"rank": r}, timeout=60)
+        probes = build(Probe, pool, lambda r: {"rank": r})
         where = probes.all(Probe.where)
         assert [r for r, _ in where] == [0, 1, 2, 3]
         nodes = [n for _, n in where]

@@ -42,9 +42,9 @@ def one_step(model_dir: Path, data_files: dict[str, str]) -> None:
     worker.add(HybridPolicy, dict(cfg=cfg, model_path=str(model_dir), world=1, device="cpu", rank=0))
     worker.add(Reward, dict(cfg=cfg, device="cpu"))
     worker.add(Advantage, dict(cfg=cfg, rank=0))
-    policy = Group(HybridPolicy, [worker], LOCAL, timeout=60.0)
-    stages = Stages(policy=policy, generator=policy, sync=InPlace(), reward=Group(Reward, [worker], LOCAL, 60.0),
-                    advantage=Group(Advantage, [worker], LOCAL, 60.0))
+    policy = Group(HybridPolicy, [worker], LOCAL)
+    stages = Stages(policy=policy, generator=policy, sync=InPlace(), reward=Group(Reward, [worker], LOCAL),
+                    advantage=Group(Advantage, [worker], LOCAL))
     algo = grpo.GRPO(cfg, str(model_dir), [])  # as the driver's loop runs a step (pipelines/driver.py)
     inputs, _ = algo.inputs(stages, PromptLoader(prompts, cfg.data.prompts_per_step, cfg.trainer.seed), 0)
     outputs, _ = algo.graph(stages, inputs)
